@@ -1,0 +1,39 @@
+"""The drafter protocol: what the engine asks of anything that proposes tokens.
+
+The engine owns the committed sequence. A drafter sees it through three calls:
+
+- ``reset(prompt_ids, hidden)`` once the target has prefilled a prompt;
+- ``propose(root_token, policy, max_depth)`` for a candidate tree whose root is
+  the last committed token (the one the target has not run yet);
+- ``commit(tokens, hidden)`` with the accepted path (root first), now in the
+  target's cache, and the target's hidden states at those positions.
+
+Trained heads, small draft models and prompt lookup all implement it; none
+subclasses anything.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specgraft.tree import Tree, TreePolicy
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    #: HF hidden_states indices of the target that the drafter reads (empty: none).
+    hidden_layers: tuple[int, ...]
+
+    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        """Start a sequence. prompt_ids: (S,); hidden: layer -> (S, H) target states."""
+
+    def propose(self, root_token: int, policy: TreePolicy, max_depth: int) -> Tree:
+        """A tree rooted at ``root_token``, at most ``max_depth`` deep."""
+
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        """Accepted path tokens (K,), root first; hidden: layer -> (K, H)."""
+
+    def cache_tokens(self) -> int:
+        """KV positions the drafter holds now (0 if it keeps no cache)."""

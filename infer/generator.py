@@ -1,0 +1,210 @@
+"""SpeculativeGenerator: the one decode loop.
+
+Each step: the drafter grows a tree from the last committed token (the
+root), the target runs every node in one forward with tree attention, an
+acceptance rule picks the path it agrees with, and the target's cache and the
+drafter keep only that path. ``generate`` consumes ``stream``; there is no
+second loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from specgraft.heads.base import Drafter
+from specgraft.infer.stats import GenerationStats, StatsRecorder
+from specgraft.infer.stopping import StopRule
+from specgraft.infer.verify import greedy_accept
+from specgraft.target import Target
+from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
+
+Prompt = str | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class StreamChunk:
+    """Tokens committed by one step (after stop rules) and their text; ``stats`` on the last chunk only."""
+
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]  # generated ids only, prompt excluded
+    text: str
+    stats: GenerationStats
+
+
+class SpeculativeGenerator:
+    """Generates with a frozen target, faster by drafting and verifying trees.
+
+    Args:
+        target: the frozen target from `load_target`.
+        drafter: any `Drafter`; None decodes plainly (one target call per token)
+            through the same loop, as our own baseline.
+        tree: how the drafter's tree grows (`Chain`, `StaticTree`, ...).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, tree: TreePolicy | None = None) -> None:
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a specgraft Target (use sg.load_target), got {type(target).__name__}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter {type(drafter).__name__} does not implement the Drafter protocol")
+        self.target = target
+        self.drafter = drafter
+        self.tree = tree if tree is not None else Chain(depth=5)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, **options) -> GenerationOutput:
+        """Generate a completion; takes the same options as `stream`."""
+        ids: list[int] = []
+        stats = None
+        for chunk in self.stream(prompt, max_new_tokens, **options):
+            ids.extend(chunk.token_ids)
+            stats = chunk.stats or stats
+        return GenerationOutput(token_ids=ids, text=self.target.decode(ids), stats=stats)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Yield committed tokens step by step.
+
+        Args:
+            prompt: text (encoded with the target's tokenizer) or token ids.
+            max_new_tokens: most tokens to generate.
+            temperature: 0 for greedy decoding, token-identical to the target's own.
+            top_k, top_p, seed: sampling options (only with temperature > 0).
+            eos_token_id: ids that end the output; None uses the target's, () none.
+            stop: strings that end the output once generated text contains one.
+        """
+        if temperature != 0.0:
+            raise NotImplementedError(
+                f"temperature={temperature}: exact speculative sampling is not implemented yet; use temperature=0.0"
+            )
+        prompt_ids = self._prompt_ids(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(prompt_ids) + max_new_tokens > self.target.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                f"context of {self.target.max_context} tokens"
+            )
+        eos = self.target.eos_token_ids if eos_token_id is None else (
+            (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+        )
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        rule = StopRule(max_new_tokens, eos, stops, self.target.decode if stops else None)
+        decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids)
+        yield from _stream_text(self.target, decoding.run(rule))
+
+    def _prompt_ids(self, prompt: Prompt) -> torch.Tensor:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.target.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        if not all(isinstance(i, int) and 0 <= i < self.target.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.target.vocab_size})")
+        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # committed by this step: accepted draft tokens, then the target's own
+    draft_tokens: int  # tree nodes the drafter proposed
+    kv_tokens: int  # target + draft KV positions held at verification
+
+
+class Decoding:
+    """One generation in progress: owns the target's cache and the root token.
+
+    Invariant between steps: the target's cache holds every committed token
+    but the root, which the next step's forward runs first.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None, policy: TreePolicy, prompt_ids: torch.Tensor) -> None:
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.prompt_ids = prompt_ids
+        self.cache = target.new_cache()
+        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        self.root: int | None = None
+        self.recorder = StatsRecorder(lossless=True)
+
+    def prefill(self) -> int:
+        """Run the prompt; the target's greedy choice after it becomes the root."""
+        ids = self.prompt_ids[None]  # (1, S)
+        out = self.target.forward(
+            ids, self.cache, torch.arange(ids.shape[1], device=ids.device)[None], hidden_layers=self.hidden_layers,
+            last_only=True,
+        )
+        if self.drafter is not None:
+            self.drafter.reset(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
+        self.root = int(out.logits[0, -1].argmax())
+        self.recorder.first_token()
+        self.recorder.observe_kv(len(self.cache))
+        return self.root
+
+    def step(self, max_depth: int) -> StepResult:
+        """Draft, verify and commit once."""
+        prefix = len(self.cache)
+        if self.drafter is None or max_depth < 1:
+            tree = Tree.root_only(self.root, self.target.device)
+        else:
+            tree = self.drafter.propose(self.root, self.policy, max_depth).to(self.target.device)
+        mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
+        out = self.target.forward(
+            tree.tokens[None], self.cache, tree_position_ids(tree, prefix), mask, hidden_layers=self.hidden_layers
+        )
+        kv_peak = len(self.cache) + (self.drafter.cache_tokens() if self.drafter is not None else 0)
+        accepted = greedy_accept(tree, out.logits[0])
+        self.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
+        if self.drafter is not None:
+            self.drafter.commit(tree.tokens[accepted.path], {i: h[0, accepted.path] for i, h in out.hidden.items()})
+        self.root = accepted.next_token
+        tokens = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
+        return StepResult(tokens=tokens, draft_tokens=tree.num_draft_tokens, kv_tokens=kv_peak)
+
+    def run(self, rule: StopRule) -> Iterator[list[int] | GenerationStats]:
+        """Yield the kept tokens of each step, then the final stats."""
+        first = rule.accept([self.prefill()])
+        yield first
+        while not rule.done:
+            self.recorder.begin_step()
+            result = self.step(max_depth=rule.remaining() - 1)
+            kept = rule.accept(result.tokens)
+            self.recorder.end_step(len(result.tokens), len(kept), result.draft_tokens, result.kv_tokens)
+            yield kept
+        yield self.recorder.finish()
+
+
+def _stream_text(target: Target, events: Iterator[list[int] | GenerationStats]) -> Iterator[StreamChunk]:
+    """Turn token events into chunks with text deltas; held back while a character is incomplete."""
+    ids: list[int] = []
+    shown = ""
+    for event in events:
+        if isinstance(event, GenerationStats):
+            yield StreamChunk(token_ids=[], text=target.decode(ids)[len(shown):], stats=event)
+            return
+        ids.extend(event)
+        text = target.decode(ids)
+        delta = "" if text.endswith("\ufffd") else text[len(shown):]
+        shown += delta
+        yield StreamChunk(token_ids=event, text=delta)

@@ -1,0 +1,288 @@
+"""The frozen target: one adapter over any Hugging Face causal LM.
+
+Everything that knows transformers' calling conventions lives here, so the
+engine, the heads and the trees speak only in tensors: token ids, explicit
+position ids, an optional 4D additive mask, and a `KVCache` whose rows can be
+kept or dropped by index.
+
+Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Attention backends that honour an arbitrary 4D additive mask. flash_attention_2
+# takes no such mask, so a tree would silently attend to its siblings.
+MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+class KVCache:
+    """One owner for a model's key/value cache, with explicit lengths.
+
+    Wraps transformers' `DynamicCache` (per layer ``keys``/``values`` of shape
+    (B, kv_heads, S, head_dim)) and adds the two edits speculation needs:
+    `keep` for committing an accepted tree path and `crop` for rollback.
+    """
+
+    def __init__(self) -> None:
+        self.hf = DynamicCache()
+
+    def __len__(self) -> int:
+        return self.hf.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        """Drop every position from ``length`` on."""
+        if not 0 <= length <= len(self):
+            raise ValueError(f"cannot crop a cache of {len(self)} positions to {length}")
+        for layer in self.hf.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
+
+    def keep(self, prefix_len: int, rows: torch.Tensor) -> None:
+        """Keep the first ``prefix_len`` positions plus ``prefix_len + rows`` (B, K), contiguously.
+
+        This is the commit of an accepted path: tree nodes are written after
+        the prefix in tree order, the accepted ones are gathered behind the
+        prefix and everything else is dropped.
+        """
+        rows = rows if rows.dim() == 2 else rows[None]
+        for layer in self.hf.layers:
+            if not layer.is_initialized:
+                continue
+            b, h, _, d = layer.keys.shape
+            index = (prefix_len + rows)[:, None, :, None].expand(b, h, rows.shape[1], d)  # (B, kv_heads, K, hd)
+            kept_k = layer.keys.gather(2, index)
+            kept_v = layer.values.gather(2, index)
+            layer.keys = torch.cat([layer.keys[:, :, :prefix_len], kept_k], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :prefix_len], kept_v], dim=2)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of one layer, each (B, kv_heads, S, head_dim)."""
+        entry = self.hf.layers[layer]
+        return entry.keys, entry.values
+
+
+@dataclass
+class ModelOutput:
+    """logits: (B, T, V) float32. hidden: requested layer index -> (B, T, H)."""
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Target:
+    """A frozen causal LM with the single forward the engine needs.
+
+    Build it with `load_target`; the same adapter also wraps independent
+    draft models.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the engine will run: the position limit, or the sliding window if smaller.
+
+        Caches here keep every position, so beyond a sliding window the
+        target's own attention would differ from ours.
+        """
+        limit = getattr(self.config, "max_position_embeddings", None) or 2**31
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            limit = min(limit, window)
+        return limit
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"target {self.name!r} has no tokenizer: pass token ids, or load_target(..., tokenizer=...)")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        last_only: bool = False,
+    ) -> ModelOutput:
+        """Run new tokens (B, T) after the cached ones and append their KV to ``cache``.
+
+        Args:
+            input_ids: (B, T) token ids.
+            cache: the cache to read and extend; holds S positions before the call.
+            position_ids: (B, T) explicit RoPE positions (a tree node sits at prefix + depth).
+            attention_mask: (B or 1, 1, T, S + T) additive float mask, or None for plain causal.
+            hidden_layers: HF ``hidden_states`` indices to return (0 = embeddings,
+                num_layers = after the final norm).
+            last_only: compute logits for the last position only (prefill).
+        """
+        if attention_mask is not None:
+            expected = (input_ids.shape[1], len(cache) + input_ids.shape[1])
+            if tuple(attention_mask.shape[-2:]) != expected:
+                raise ValueError(f"attention mask has shape {tuple(attention_mask.shape)}, expected (.., 1, {expected[0]}, {expected[1]})")
+        out = self.model(
+            input_ids=input_ids,
+            cache=cache.hf,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            logits_to_keep=1 if last_only else 0,
+        )
+        hidden = {i: out.hidden_states[i] for i in hidden_layers}
+        return ModelOutput(logits=out.logits.float(), hidden=hidden)
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a valid torch device ({err})") from None
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def load_model(
+    path_or_model: str | Path | PreTrainedModel,
+    *,
+    tokenizer=None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    role: str = "target",
+) -> Target:
+    """Load and freeze a causal LM, checking that tree attention will be exact on it."""
+    torch_dtype = _resolve_dtype(dtype)
+    torch_device = _resolve_device(device)
+    if attn_implementation not in MASKED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} cannot take the 4D tree mask; "
+            f"use one of {', '.join(MASKED_ATTENTION)}"
+        )
+    if isinstance(path_or_model, PreTrainedModel):
+        model, name = path_or_model, None
+        if model.config._attn_implementation not in MASKED_ATTENTION:
+            raise ValueError(
+                f"{role} model uses attn_implementation={model.config._attn_implementation!r}, which cannot take "
+                f"the 4D tree mask; build it with one of {', '.join(MASKED_ATTENTION)}"
+            )
+        model = model.to(device=torch_device, dtype=torch_dtype)
+    else:
+        name = str(path_or_model)
+        if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+            raise FileNotFoundError(f"{role} path {name!r} is not a directory")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                Path(name).expanduser() if _looks_like_path(name) else name,
+                dtype=torch_dtype,
+                attn_implementation=attn_implementation,
+            ).to(torch_device)
+        except OSError as err:
+            raise OSError(f"could not load {role} {name!r}: {err}") from None
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(Path(name).expanduser() if _looks_like_path(name) else name)
+            except (OSError, ValueError):
+                tokenizer = None  # a model without a tokenizer still takes token ids
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{role} {name or type(model).__name__} is an encoder-decoder; specgraft needs a causal LM")
+    model.eval().requires_grad_(False)
+    target = Target(model, tokenizer, name)
+    _check_tree_attention(target, role)
+    return target
+
+
+def load_target(
+    path_or_model: str | Path | PreTrainedModel,
+    tokenizer=None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
+
+    Raises:
+        FileNotFoundError: a path that does not exist.
+        ValueError: an unknown dtype or device, an attention backend without
+            4D masks, or a model whose forward ignores the tree mask.
+    """
+    return load_model(
+        path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation
+    )
+
+
+def _check_tree_attention(target: Target, role: str) -> None:
+    """Refuse a model whose forward ignores a custom 4D mask.
+
+    Two tokens with a mask that hides the first from the second must give the
+    second the logits it has alone at position 1. A model that ignores the
+    mask (or reorders positions) fails this and would verify trees wrongly.
+    """
+    device, dtype = target.device, target.dtype
+    ids = torch.tensor([[1, 2]], device=device) % target.vocab_size
+    visible = torch.eye(2, dtype=torch.bool, device=device)
+    mask = torch.full((2, 2), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
+    pair = target.forward(ids, target.new_cache(), torch.tensor([[0, 1]], device=device), mask[None, None])
+    alone = target.forward(ids[:, 1:], target.new_cache(), torch.tensor([[1]], device=device))
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    if not torch.allclose(pair.logits[:, 1], alone.logits[:, 0], atol=tol, rtol=tol):
+        raise ValueError(
+            f"{role} {target.name!r} ({type(target.model).__name__}) ignores custom 4D attention masks, "
+            "so tree verification would be wrong; use a model whose attention takes a 4D mask (sdpa or eager)"
+        )

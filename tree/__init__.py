@@ -1,0 +1,18 @@
+"""Pure tree logic (torch only, never transformers): trees, masks, positions, policies."""
+
+from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
+from specgraft.tree.policies import Chain, StaticTree, TreeBuilder, TreePolicy, parse_tree_spec
+from specgraft.tree.tree import ROOT_PARENT, Tree
+
+__all__ = [
+    "ROOT_PARENT",
+    "Chain",
+    "StaticTree",
+    "Tree",
+    "TreeBuilder",
+    "TreePolicy",
+    "additive_mask",
+    "parse_tree_spec",
+    "tree_attention_mask",
+    "tree_position_ids",
+]

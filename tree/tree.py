@@ -1,0 +1,122 @@
+"""The candidate tree: one frozen value per speculative step.
+
+Node 0 is the root: the last committed token, which the target has not yet
+run. Every other node is a draft token. Nodes are stored parents-first
+(``parents[i] < i``), so masks and paths are plain tensor ops.
+
+Shape legend: N nodes, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+ROOT_PARENT = -1  # the root's parent index: it has none
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A candidate tree, node 0 being the root.
+
+    Attributes:
+        tokens: (N,) token id of each node.
+        parents: (N,) index of each node's parent; ``ROOT_PARENT`` for node 0.
+        depth: (N,) distance from the root (root = 0).
+        scores: (N,) cumulative draft log-probability of the path to the node (root = 0).
+        q: (N, V) the draft distribution each node's token was sampled from,
+            or None when children were chosen deterministically (top-k), in
+            which case verification treats them as point masses.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    scores: torch.Tensor
+    q: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        for name in ("parents", "depth", "scores"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"Tree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
+        if n == 0 or int(self.parents[0]) != ROOT_PARENT:
+            raise ValueError("Tree needs a root at node 0 with parent -1")
+        if n > 1 and not bool((self.parents[1:] < torch.arange(1, n, device=self.parents.device)).all()):
+            raise ValueError("Tree nodes must be stored parents-first (parents[i] < i)")
+        if n > 1 and not bool((self.parents[1:] >= 0).all()):
+            raise ValueError("only node 0 may be a root")
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"Tree.q has {self.q.shape[0]} rows for {n} nodes")
+
+    @classmethod
+    def root_only(cls, token: int, device: torch.device | str = "cpu") -> Tree:
+        """The tree of plain decoding: the root and nothing to verify."""
+        return cls(
+            tokens=torch.tensor([token], device=device),
+            parents=torch.tensor([ROOT_PARENT], device=device),
+            depth=torch.zeros(1, dtype=torch.long, device=device),
+            scores=torch.zeros(1, device=device),
+        )
+
+    def to(self, device: torch.device | str) -> Tree:
+        if self.tokens.device == torch.device(device):
+            return self
+        q = None if self.q is None else self.q.to(device)
+        return Tree(self.tokens.to(device), self.parents.to(device), self.depth.to(device), self.scores.to(device), q)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Nodes proposed by the drafter (the root is not a proposal)."""
+        return self.num_nodes - 1
+
+    @cached_property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """True when node i's parent is i - 1 throughout: plain causal attention suffices."""
+        return bool((self.parents[1:] == torch.arange(self.num_nodes - 1, device=self.parents.device)).all())
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(N, N) bool: ``[i, j]`` is True when j is i or one of i's ancestors."""
+        return self._ancestors
+
+    @cached_property
+    def _ancestors(self) -> torch.Tensor:
+        n = self.num_nodes
+        eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+        # step[i, j]: j is i's parent. Reach ancestors one generation at a time.
+        step = torch.zeros(n, n, dtype=torch.float32, device=self.tokens.device)
+        if n > 1:
+            step[torch.arange(1, n), self.parents[1:]] = 1.0
+        mask, reach = eye.clone(), eye.float()
+        for _ in range(self.max_depth):
+            reach = reach @ step  # (N, N): ancestor one generation further up
+            mask |= reach.bool()
+        return mask
+
+    def leaves(self) -> torch.Tensor:
+        """Indices of nodes with no children, in storage order."""
+        is_parent = torch.zeros(self.num_nodes, dtype=torch.bool, device=self.tokens.device)
+        is_parent[self.parents[1:]] = True
+        return (~is_parent).nonzero().flatten()
+
+    def path_to(self, node: int) -> torch.Tensor:
+        """Node indices from the root down to ``node`` (inclusive)."""
+        return self.ancestor_mask()[node].nonzero().flatten()  # parents-first order = root-first
+
+    def paths(self) -> list[torch.Tensor]:
+        """Every root-to-leaf path as node indices, root first."""
+        anc = self.ancestor_mask()
+        return [anc[leaf].nonzero().flatten() for leaf in self.leaves().tolist()]
+
+    def children(self, node: int) -> torch.Tensor:
+        return (self.parents == node).nonzero().flatten()
