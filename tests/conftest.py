@@ -1,0 +1,80 @@
+"""Shared fixtures: the ../shared assets (skipped with a reason when absent) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+torch.set_num_threads(1)  # tiny models run much faster on one thread
+hf_logging.set_verbosity_error()
+hf_logging.disable_progress_bar()
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+STORIES = SHARED / "models" / "stories260K"
+DEV_PROMPTS = SHARED / "data" / "story_prompts_dev.jsonl"
+
+needs_shared = pytest.mark.skipif(
+    not STORIES.is_dir(), reason=f"../shared assets are absent ({STORIES} not found); they ship beside the repo"
+)
+
+
+@pytest.fixture(scope="session")
+def stories():
+    """The real pretrained stories260K target, frozen, float32 on CPU."""
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+    import specgraft as sg
+
+    return sg.load_target(STORIES)
+
+
+@pytest.fixture(scope="session")
+def dev_prompts() -> list[str]:
+    if not DEV_PROMPTS.is_file():
+        pytest.skip(f"../shared assets are absent ({DEV_PROMPTS} not found)")
+    return [json.loads(line)["turns"][0] for line in DEV_PROMPTS.read_text().splitlines() if line.strip()]
+
+
+def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 97, seed: int = 0, layers: int = 2):
+    """A random tiny causal LM of a given architecture, built in-process (no download)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
+    builders = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        # Qwen3 sets head_dim apart from hidden_size / heads: 16 * 4 != 32 on purpose.
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+    }
+    config_cls, model_cls, extra = builders[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common, **extra))
+    # Random init gives near-uniform logits; scale the output so greedy choices are not coin flips on ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.eval()
