@@ -3,7 +3,7 @@
 The engine owns the committed sequence. A drafter sees it through three calls:
 
 - ``reset(prompt_ids, hidden)`` once the target has prefilled a prompt;
-- ``propose(root_token, policy, max_depth)`` for a candidate tree whose root is
+- ``propose(root_token, policy, max_depth, sampler)`` for a candidate tree whose root is
   the last committed token (the one the target has not run yet);
 - ``commit(tokens, hidden)`` with the accepted path (root first), now in the
   target's cache, and the target's hidden states at those positions.
@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specgraft.tree import Tree, TreePolicy
+from specgraft.tree.draw import DraftSampler
 
 
 @runtime_checkable
@@ -29,8 +30,14 @@ class Drafter(Protocol):
     def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         """Start a sequence. prompt_ids: (S,); hidden: layer -> (S, H) target states."""
 
-    def propose(self, root_token: int, policy: TreePolicy, max_depth: int) -> Tree:
-        """A tree rooted at ``root_token``, at most ``max_depth`` deep."""
+    def propose(
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+    ) -> Tree:
+        """A tree rooted at ``root_token``, at most ``max_depth`` deep.
+
+        ``sampler`` is None under greedy decoding; otherwise it filters the
+        draft distribution exactly as the target's and draws sampled children.
+        """
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         """Accepted path tokens (K,), root first; hidden: layer -> (K, H)."""

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from specgraft.target import Target, load_model
 from specgraft.tree import Tree, TreePolicy, additive_mask
+from specgraft.tree.draw import DraftSampler
 
 
 class DraftModel:
@@ -55,14 +56,16 @@ class DraftModel:
     def cache_tokens(self) -> int:
         return len(self.cache)
 
-    def propose(self, root_token: int, policy: TreePolicy, max_depth: int) -> Tree:
+    def propose(
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+    ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.device)
         round_ = _DraftRound(self, root_token)
         try:
-            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device)
+            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
         finally:
-            self.cache.crop(len(self.committed))  # roll back every draft position
+            self.cache.crop(min(len(self.cache), len(self.committed)))  # roll back every draft position
 
 
 class _DraftRound:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specgraft.tree import ROOT_PARENT, Tree, TreePolicy
+from specgraft.tree.draw import DraftSampler
 
 
 class PromptLookup:
@@ -43,8 +44,14 @@ class PromptLookup:
     def cache_tokens(self) -> int:
         return 0
 
-    def propose(self, root_token: int, policy: TreePolicy | None, max_depth: int) -> Tree:
-        """A trie of the continuations after the longest matching suffix (``policy`` is not used)."""
+    def propose(
+        self, root_token: int, policy: TreePolicy | None, max_depth: int, sampler: DraftSampler | None = None
+    ) -> Tree:
+        """A trie of the continuations after the longest matching suffix.
+
+        ``policy`` and ``sampler`` are not used: copied tokens are point masses,
+        which exact verification accepts at any temperature.
+        """
         seq = torch.cat([self.history, torch.tensor([root_token])])
         depth = min(self.num_tokens, max_depth)
         branches = self._continuations(seq, depth) if depth > 0 else []

@@ -15,9 +15,10 @@ from typing import Iterator, Sequence
 import torch
 
 from specgraft.heads.base import Drafter
+from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free, make_generator
 from specgraft.infer.stats import GenerationStats, StatsRecorder
 from specgraft.infer.stopping import StopRule
-from specgraft.infer.verify import greedy_accept
+from specgraft.infer.verify import Acceptance, greedy_accept, sample_accept, typical_accept
 from specgraft.target import Target
 from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
@@ -48,9 +49,22 @@ class SpeculativeGenerator:
         drafter: any `Drafter`; None decodes plainly (one target call per token)
             through the same loop, as our own baseline.
         tree: how the drafter's tree grows (`Chain`, `StaticTree`, ...).
+        acceptance: ``"exact"`` (default: output follows the target exactly) or
+            ``"typical"`` — Medusa's LOSSY typical acceptance, which changes the
+            output distribution for speed and reports ``stats.lossless == False``.
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, tree: TreePolicy | None = None) -> None:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        tree: TreePolicy | None = None,
+        *,
+        acceptance: str = "exact",
+    ) -> None:
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance={acceptance!r} must be 'exact' or 'typical' (lossy)")
+        self.acceptance = acceptance
         if not isinstance(target, Target):
             raise TypeError(f"target must be a specgraft Target (use sg.load_target), got {type(target).__name__}")
         if drafter is not None and not isinstance(drafter, Drafter):
@@ -76,24 +90,35 @@ class SpeculativeGenerator:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
+        banned_token_ids: Sequence[int] = (),
         seed: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         stop: str | Sequence[str] | None = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
     ) -> Iterator[StreamChunk]:
         """Yield committed tokens step by step.
 
         Args:
             prompt: text (encoded with the target's tokenizer) or token ids.
             max_new_tokens: most tokens to generate.
-            temperature: 0 for greedy decoding, token-identical to the target's own.
-            top_k, top_p, seed: sampling options (only with temperature > 0).
+            temperature: 0 for greedy decoding, token-identical to the target's own;
+                above 0, exact speculative sampling from the filtered distribution.
+            top_k, top_p, min_p, banned_token_ids: filters applied alike to target and draft.
+            seed: makes a run repeat on the same machine and settings. It does not
+                reproduce the string plain sampling gives with the same seed: the
+                random numbers are consumed differently; the distribution is the same.
             eos_token_id: ids that end the output; None uses the target's, () none.
             stop: strings that end the output once generated text contains one.
+            repetition_penalty, presence_penalty: refused unless neutral (they need
+                a different p for every draft path).
         """
-        if temperature != 0.0:
-            raise NotImplementedError(
-                f"temperature={temperature}: exact speculative sampling is not implemented yet; use temperature=0.0"
-            )
+        check_prefix_free(repetition_penalty, presence_penalty)
+        policy = SamplingPolicy(temperature, top_k, top_p, min_p, tuple(banned_token_ids))
+        if policy.greedy and self.acceptance == "typical":
+            raise ValueError("acceptance='typical' needs temperature > 0 (greedy acceptance is already exact)")
+        sampler = None if policy.greedy else Sampler(policy, make_generator(seed, self.target.device))
         prompt_ids = self._prompt_ids(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -107,7 +132,7 @@ class SpeculativeGenerator:
         )
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         rule = StopRule(max_new_tokens, eos, stops, self.target.decode if stops else None)
-        decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids)
+        decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids, sampler, self.acceptance)
         yield from _stream_text(self.target, decoding.run(rule))
 
     def _prompt_ids(self, prompt: Prompt) -> torch.Tensor:
@@ -140,16 +165,26 @@ class Decoding:
     but the root, which the next step's forward runs first.
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None, policy: TreePolicy, prompt_ids: torch.Tensor) -> None:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None,
+        policy: TreePolicy,
+        prompt_ids: torch.Tensor,
+        sampler: Sampler | None = None,
+        acceptance: str = "exact",
+    ) -> None:
         self.target, self.drafter, self.policy = target, drafter, policy
         self.prompt_ids = prompt_ids
+        self.sampler = sampler  # None: greedy
+        self.acceptance = acceptance
         self.cache = target.new_cache()
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         self.root: int | None = None
-        self.recorder = StatsRecorder(lossless=True)
+        self.recorder = StatsRecorder(lossless=acceptance == "exact")
 
     def prefill(self) -> int:
-        """Run the prompt; the target's greedy choice after it becomes the root."""
+        """Run the prompt; the target's choice after it becomes the root."""
         ids = self.prompt_ids[None]  # (1, S)
         out = self.target.forward(
             ids, self.cache, torch.arange(ids.shape[1], device=ids.device)[None], hidden_layers=self.hidden_layers,
@@ -157,7 +192,11 @@ class Decoding:
         )
         if self.drafter is not None:
             self.drafter.reset(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
-        self.root = int(out.logits[0, -1].argmax())
+        last = out.logits[0, -1]
+        if self.sampler is None:
+            self.root = int(last.argmax())
+        else:
+            self.root = int(torch.multinomial(self.sampler.probs(last), 1, generator=self.sampler.generator))
         self.recorder.first_token()
         self.recorder.observe_kv(len(self.cache))
         return self.root
@@ -168,19 +207,27 @@ class Decoding:
         if self.drafter is None or max_depth < 1:
             tree = Tree.root_only(self.root, self.target.device)
         else:
-            tree = self.drafter.propose(self.root, self.policy, max_depth).to(self.target.device)
+            tree = self.drafter.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
         mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
         out = self.target.forward(
             tree.tokens[None], self.cache, tree_position_ids(tree, prefix), mask, hidden_layers=self.hidden_layers
         )
         kv_peak = len(self.cache) + (self.drafter.cache_tokens() if self.drafter is not None else 0)
-        accepted = greedy_accept(tree, out.logits[0])
+        accepted = self._accept(tree, out.logits[0])
         self.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
         if self.drafter is not None:
             self.drafter.commit(tree.tokens[accepted.path], {i: h[0, accepted.path] for i, h in out.hidden.items()})
         self.root = accepted.next_token
         tokens = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
         return StepResult(tokens=tokens, draft_tokens=tree.num_draft_tokens, kv_tokens=kv_peak)
+
+    def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        if self.sampler is None:
+            return greedy_accept(tree, logits)
+        p = self.sampler.probs(logits)  # (N, V) the same filters the draft's q went through
+        if self.acceptance == "typical":
+            return typical_accept(tree, p, self.sampler.generator)
+        return sample_accept(tree, p, self.sampler.generator)
 
     def run(self, rule: StopRule) -> Iterator[list[int] | GenerationStats]:
         """Yield the kept tokens of each step, then the final stats."""

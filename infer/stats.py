@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 
 @dataclass
 class GenerationStats:
@@ -69,7 +67,7 @@ class StatsRecorder:
         histogram = [0] * max(self.step_tokens, default=0)
         for n in self.step_tokens:
             histogram[n - 1] += 1
-        latencies = torch.tensor(self.token_latencies or [0.0], dtype=torch.float64)
+        latencies = sorted(self.token_latencies) or [0.0]
         ttft = (self.first_token_at or time.perf_counter()) - self.start
         decode_time = (self.last_token_at or 0.0) - (self.first_token_at or 0.0)
         return GenerationStats(
@@ -80,8 +78,16 @@ class StatsRecorder:
             draft_tokens_per_token=self.draft_tokens / self.new_tokens if self.new_tokens else 0.0,
             ttft_s=ttft,
             tokens_per_s=(self.new_tokens - 1) / decode_time if decode_time > 0 else 0.0,
-            itl_p50_s=float(latencies.quantile(0.5)),
-            itl_p99_s=float(latencies.quantile(0.99)),
+            itl_p50_s=_percentile(latencies, 0.5),
+            itl_p99_s=_percentile(latencies, 0.99),
             kv_cache_tokens_peak=self.kv_peak,
             lossless=self.lossless,
         )
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Linear-interpolated percentile of a sorted list (numpy's default method)."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

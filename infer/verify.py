@@ -39,3 +39,103 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
     alive = ~(tree.ancestor_mask() & ~match[None]).any(dim=1)  # (N,)
     best = int(torch.where(alive, tree.depth, -1).argmax())
     return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=int(choice[best]))
+
+
+# Below this mass a residual max(p - q, 0) is rounding noise, not a distribution.
+EMPTY_RESIDUAL = 1e-6
+
+
+def sample_accept(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    """Exact tree speculative sampling: the committed tokens follow p, whatever the drafter did.
+
+    Walk down from the root. At each node with p_cur = p[node]:
+    - top-k children (tree.q is None) are point masses: draw x ~ p_cur; if a
+      child carries x, move to it; otherwise x is the correction (x ~ p_cur
+      conditioned on matching no child is exactly norm(p_cur without them)).
+    - sampled children (SpecInfer): try them in order; accept child x with
+      probability min(1, p_cur(x) / q(x)); on rejection p_cur <- norm(max(p_cur - q, 0))
+      and, when drawn without replacement (Sequoia), q loses x and is renormalised.
+      If all are rejected the correction comes from p_cur.
+    A leaf accepted at the end earns a bonus token from its full p.
+
+    Args:
+        tree: N nodes; tree.q (N, V) when children were sampled.
+        p: (N, V) target distributions after the sampling policy.
+        generator: the RNG of this generation.
+    """
+    node = 0
+    path = [0]
+    children = _children_lists(tree)
+    while True:
+        kids = children[node]
+        p_cur = p[node]
+        if not kids:
+            return _done(path, _draw(p_cur, generator), p.device)
+        if tree.q is None:
+            x = _draw(p_cur, generator)
+            match = [k for k in kids if int(tree.tokens[k]) == x]
+            if not match:
+                return _done(path, x, p.device)
+            node = match[0]
+        else:
+            node = _multi_round(tree, kids, p_cur, generator)
+            if node < 0:
+                return _done(path, -node - 1, p.device)
+        path.append(node)
+
+
+def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, generator: torch.Generator) -> int:
+    """SpecInfer's rule over sampled siblings: the accepted child, or -(correction + 1) if none."""
+    p_orig = p_cur
+    q = tree.q[kids[0]]
+    for kid in kids:
+        x = int(tree.tokens[kid])
+        if not tree.without_replacement:
+            q = tree.q[kid]
+        accept = torch.clamp(p_cur[x] / q[x], max=1.0)
+        if float(torch.rand((), generator=generator, device=p_cur.device)) < float(accept):
+            return kid
+        residual = (p_cur - q).clamp(min=0.0)
+        mass = float(residual.sum())
+        p_cur = residual / mass if mass > EMPTY_RESIDUAL else p_orig  # empty residual: fall back to p
+        if tree.without_replacement:
+            q = q.index_fill(0, torch.tensor([x], device=q.device), 0.0)
+            q_mass = float(q.sum())
+            if q_mass <= 0.0:
+                break
+            q = q / q_mass
+    return -_draw(p_cur, generator) - 1
+
+
+def typical_accept(
+    tree: Tree, p: torch.Tensor, generator: torch.Generator, threshold: float = 0.09, alpha: float = 0.3
+) -> Acceptance:
+    """LOSSY (Medusa's typical acceptance): output does not follow the target's distribution.
+
+    A node survives when p(token) > min(threshold, alpha * exp(-H(p))) at its
+    parent, as do all its ancestors; the deepest survivor wins and the next
+    token is sampled from p there. Only used with ``acceptance="typical"``.
+    """
+    entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)  # (N,)
+    bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    match = torch.ones(tree.num_nodes, dtype=torch.bool, device=p.device)
+    parents = tree.parents[1:]
+    match[1:] = p[parents, tree.tokens[1:]] > bar[parents]
+    alive = ~(tree.ancestor_mask() & ~match[None]).any(dim=1)
+    best = int(torch.where(alive, tree.depth, -1).argmax())  # the longest surviving candidate, as Medusa
+    return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=_draw(p[best], generator))
+
+
+def _children_lists(tree: Tree) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+    for child, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        children[parent].append(child)
+    return children
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _done(path: list[int], token: int, device: torch.device) -> Acceptance:
+    return Acceptance(path=torch.tensor(path, device=device), next_token=token)

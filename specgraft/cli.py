@@ -10,17 +10,33 @@ from pathlib import Path
 import torch
 
 
+DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
+
+
 def _build_drafter(spec: str, target):
-    """``none``, ``prompt-lookup``, or a path to a small causal LM sharing the target's tokenizer."""
+    """``none``, ``prompt-lookup``, ``self`` (the target drafts for itself), or a small causal LM's directory."""
     import specgraft as sg
 
     if spec == "none":
         return None
     if spec == "prompt-lookup":
         return sg.PromptLookup()
+    if spec == "self":
+        return sg.DraftModel(target, target)
     if not Path(spec).is_dir():
-        raise FileNotFoundError(f"--drafter {spec!r}: expected 'none', 'prompt-lookup' or a model directory")
+        raise FileNotFoundError(f"--drafter {spec!r}: expected 'none', 'prompt-lookup', 'self' or a model directory")
     return sg.DraftModel(spec, target)
+
+
+def _load(args: argparse.Namespace):
+    """Target, drafter and tree from the common flags; the tree spec is checked before any model loads."""
+    import specgraft as sg
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tree = sg.parse_tree_spec(args.tree)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    return target, _build_drafter(args.drafter, target), tree
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -28,13 +44,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ValueError("--prompt is empty")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tree = sg.parse_tree_spec(args.tree)
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = _build_drafter(args.drafter, target)
+    target, drafter, tree = _load(args)
     gen = sg.SpeculativeGenerator(target, drafter, tree=tree)
-    options = dict(max_new_tokens=args.max_new_tokens, stop=args.stop or None)
+    options = dict(
+        max_new_tokens=args.max_new_tokens, stop=args.stop or None, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    )
     if args.json:
         out = gen.generate(args.prompt, **options)
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "stats": out.stats.to_dict()}, indent=2))
@@ -52,22 +67,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_exactness(args: argparse.Namespace) -> int:
+    import specgraft as sg
+    from specgraft.infer.exactness import check_exactness
+
+    prompts = args.prompt or list(DEFAULT_CHECK_PROMPTS)
+    if args.top_k < 1 or args.top_k ** args.length > 4096:
+        raise ValueError(f"--top-k {args.top_k} and --length {args.length}: need 1 <= top_k ** length <= 4096 outcomes")
+    target, drafter, tree = _load(args)
+    gen = sg.SpeculativeGenerator(target, drafter, tree=tree)
+    reports = check_exactness(
+        gen, prompts, samples=args.samples, length=args.length, temperature=args.temperature, top_k=args.top_k,
+        seed=args.seed or 0,
+    )
+    rows = []
+    for r in reports:
+        verdict = "PASS" if r.passed else "FAIL"
+        print(f"{verdict}  {r.prompt[:40]!r:44s} outcomes={r.outcomes:4d}  plain: {r.plain}  speculative: {r.speculative}  tau={r.mean_accepted_length:.2f}")
+        rows.append({"prompt": r.prompt, "passed": r.passed, "plain": vars(r.plain), "speculative": vars(r.speculative), "mean_accepted_length": r.mean_accepted_length})
+    passed = all(r.passed for r in reports)
+    print(f"{'PASS' if passed else 'FAIL'}: speculative sampling {'matches' if passed else 'does NOT match'} the target's distribution on {len(reports)} prompts")
+    if args.json:
+        print(json.dumps({"passed": passed, "prompts": rows}, indent=2))
+    return 0 if passed else 1
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory or hub id")
+    p.add_argument("--drafter", default="prompt-lookup", help="'none', 'prompt-lookup', 'self', or a draft model directory")
+    p.add_argument("--tree", default="chain:5", help="'chain:DEPTH' or 'static:FILE.json' (Medusa-style paths)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgraft", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a target and a drafter")
-    gen.add_argument("--target", required=True, help="target model directory or hub id")
-    gen.add_argument("--drafter", default="prompt-lookup", help="'none', 'prompt-lookup', or a draft model directory")
-    gen.add_argument("--tree", default="chain:5", help="'chain:DEPTH' or 'static:FILE.json' (Medusa-style paths)")
+    _model_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (token-identical to the target)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     gen.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
     gen.set_defaults(func=cmd_generate)
+
+    check = sub.add_parser(
+        "check-exactness", help="test statistically that speculative sampling follows the target's distribution"
+    )
+    _model_flags(check)
+    check.add_argument("--prompt", action="append", help=f"prompt (repeatable; default: {list(DEFAULT_CHECK_PROMPTS)})")
+    check.add_argument("--samples", type=int, default=2000, help="continuations per prompt and method")
+    check.add_argument("--length", type=int, default=3, help="tokens per continuation")
+    check.add_argument("--top-k", type=int, default=4, help="keeps the top_k ** length outcomes enumerable")
+    check.add_argument("--temperature", type=float, default=1.0)
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_check_exactness)
     return parser
 
 

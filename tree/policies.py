@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from specgraft.tree.draw import DraftSampler, Picked, check_draw, pick_children
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
 StepFn = Callable[[Tree, torch.Tensor], torch.Tensor]
@@ -26,8 +27,14 @@ class TreePolicy(Protocol):
     max_depth: int
 
     def grow(
-        self, step: StepFn, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu"
-    ) -> Tree: ...
+        self,
+        step: StepFn,
+        root_token: int,
+        max_depth: int | None = None,
+        device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
+    ) -> Tree:
+        """Grow a tree; ``sampler`` is None under greedy decoding (children are then top-k)."""
 
 
 class TreeBuilder:
@@ -39,11 +46,22 @@ class TreeBuilder:
         self.parents: list[torch.Tensor] = [torch.tensor([ROOT_PARENT], device=device)]
         self.depth: list[torch.Tensor] = [torch.zeros(1, dtype=torch.long, device=device)]
         self.scores: list[torch.Tensor] = [torch.zeros(1, device=device)]
+        self.q: list[torch.Tensor] = []  # (n, V) blocks, one row per drafted node
+        self.without_replacement = False
         self.num_nodes = 1
         self._tree: Tree | None = Tree.root_only(root_token, device)
 
-    def add(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Append children (parents must already exist); returns their node indices."""
+    def add(
+        self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, q: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append children (parents must already exist); returns their node indices.
+
+        q: (n, V) the distribution each child was sampled from, or None (top-k).
+        """
+        if (q is None) != (not self.q) and self.num_nodes > 1:
+            raise ValueError("a tree's children are either all sampled (with q) or all top-k (without)")
+        if q is not None:
+            self.q.append(q)
         parent_depth = torch.cat(self.depth)[parents]
         self.tokens.append(tokens)
         self.parents.append(parents)
@@ -54,13 +72,30 @@ class TreeBuilder:
         self._tree = None
         return torch.arange(start, self.num_nodes, device=tokens.device)
 
+    def add_picked(self, parents: torch.Tensor, picked: Picked, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Append the children `pick_children` chose for frontier ``parents`` (F,), k per parent.
+
+        keep: (F, k) bool selecting which of the k children to keep per parent (all by default).
+        """
+        keep = torch.ones_like(picked.tokens, dtype=torch.bool) if keep is None else keep
+        rows = keep.nonzero()[:, 0]  # parent row of each kept child, parents-first order
+        q = None if picked.q is None else picked.q[rows]
+        scores = self.tree().scores[parents[rows]] + picked.logq[keep]
+        return self.add(picked.tokens[keep], parents[rows], scores, q)
+
     def tree(self) -> Tree:
         if self._tree is None:
+            q = None
+            if self.q:
+                first = self.q[0]
+                q = torch.cat([torch.zeros(1, first.shape[-1], dtype=first.dtype, device=first.device), *self.q])
             self._tree = Tree(
                 tokens=torch.cat(self.tokens),
                 parents=torch.cat(self.parents),
                 depth=torch.cat(self.depth),
                 scores=torch.cat(self.scores),
+                q=q,
+                without_replacement=self.without_replacement,
             )
         return self._tree
 
@@ -68,28 +103,40 @@ class TreeBuilder:
 
 @dataclass(frozen=True)
 class Chain:
-    """A single path: the drafter's top-1 token at each of ``depth`` steps."""
+    """A single path of ``depth`` drafts.
+
+    Greedy decoding takes the drafter's top-1 token at each step. When sampling,
+    ``draw="sample"`` (the default) draws each token from q, as in the
+    speculative sampling papers; ``draw="top-k"`` keeps the top-1 token as a
+    point mass.
+    """
 
     depth: int = 5
+    draw: str = "sample"
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"Chain depth must be >= 1, got {self.depth}")
+        check_draw(self.draw)
 
     @property
     def max_depth(self) -> int:
         return self.depth
 
     def grow(
-        self, step: StepFn, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu"
+        self,
+        step: StepFn,
+        root_token: int,
+        max_depth: int | None = None,
+        device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
     ) -> Tree:
         depth = self.depth if max_depth is None else min(self.depth, max_depth)
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long, device=device)
         for _ in range(depth):
             logp = step(builder.tree(), last)  # (1, V)
-            score, token = logp.max(dim=-1)
-            last = builder.add(token, last, builder.tree().scores[last] + score)
+            last = builder.add_picked(last, pick_children(logp, 1, self.draw, sampler))
         return builder.tree()
 
 
@@ -99,13 +146,18 @@ class StaticTree:
 
     ``[[0], [1], [0, 0]]`` keeps the drafter's top-2 tokens after the root and
     the top-1 token after the first of them. Every prefix of a path must be
-    listed too.
+    listed too. When sampling, ``draw`` says how the children of a node are
+    chosen: ``top-k`` (default; point masses), ``sample`` or
+    ``sample-without-replacement`` (as many draws from q as the shape has
+    children there).
     """
 
     choices: tuple[tuple[int, ...], ...]
+    draw: str = "top-k"
     _levels: tuple = field(init=False, repr=False, compare=False)
 
-    def __init__(self, choices: Sequence[Sequence[int]]) -> None:
+    def __init__(self, choices: Sequence[Sequence[int]], draw: str = "top-k") -> None:
+        object.__setattr__(self, "draw", check_draw(draw))
         paths = tuple(sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p)))
         if not paths:
             raise ValueError("StaticTree needs at least one path")
@@ -134,7 +186,7 @@ class StaticTree:
         return len(self._levels)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> StaticTree:
+    def from_file(cls, path: str | Path, draw: str = "top-k") -> StaticTree:
         """Read a JSON list of paths, or an object with a "choices" list."""
         path = Path(path)
         if not path.is_file():
@@ -147,24 +199,29 @@ class StaticTree:
             data = data.get("choices")
         if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
             raise ValueError(f"tree file {path} must hold a list of paths like [[0], [0, 0], [1]]")
-        return cls(data)
+        return cls(data, draw=draw)
 
     def grow(
-        self, step: StepFn, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu"
+        self,
+        step: StepFn,
+        root_token: int,
+        max_depth: int | None = None,
+        device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
     ) -> Tree:
         builder = TreeBuilder(root_token, device)
+        builder.without_replacement = sampler is not None and self.draw == "sample-without-replacement"
         node_of: dict[tuple[int, ...], int] = {(): 0}
         for level in self._levels[: max_depth if max_depth is not None else None]:
             frontier = torch.tensor([node_of[parent] for parent, _ in level], device=device)
             k = max(max(ranks) for _, ranks in level) + 1
-            logp = step(builder.tree(), frontier)  # (F, V)
-            top_logp, top_tok = logp.topk(k, dim=-1)  # (F, k)
-            rows = torch.tensor([i for i, (_, ranks) in enumerate(level) for _ in ranks], device=device)
-            ranks = torch.tensor([r for _, rs in level for r in rs], device=device)
-            scores = builder.tree().scores[frontier[rows]] + top_logp[rows, ranks]
-            idx = builder.add(top_tok[rows, ranks], frontier[rows], scores)
-            for (parent, rs), node in zip(((p, r) for p, rr in level for r in rr), idx.tolist()):
-                node_of[parent + (rs,)] = node
+            picked = pick_children(step(builder.tree(), frontier), k, self.draw, sampler)  # (F, <=k)
+            keep = torch.zeros_like(picked.tokens, dtype=torch.bool)
+            for row, (_, ranks) in enumerate(level):
+                keep[row, [r for r in ranks if r < keep.shape[1]]] = True
+            idx = builder.add_picked(frontier, picked, keep)
+            kept_paths = [parent + (r,) for parent, ranks in level for r in ranks if r < keep.shape[1]]
+            node_of.update(zip(kept_paths, idx.tolist()))
         return builder.tree()
 
 

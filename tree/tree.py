@@ -26,9 +26,10 @@ class Tree:
         parents: (N,) index of each node's parent; ``ROOT_PARENT`` for node 0.
         depth: (N,) distance from the root (root = 0).
         scores: (N,) cumulative draft log-probability of the path to the node (root = 0).
-        q: (N, V) the draft distribution each node's token was sampled from,
-            or None when children were chosen deterministically (top-k), in
-            which case verification treats them as point masses.
+        q: (N, V) the draft distribution each node's token was sampled from
+            (row 0, the root's, is unused), or None when children were chosen
+            deterministically (top-k): verification then treats them as point masses.
+        without_replacement: siblings were drawn without replacement from q.
     """
 
     tokens: torch.Tensor
@@ -36,6 +37,7 @@ class Tree:
     depth: torch.Tensor
     scores: torch.Tensor
     q: torch.Tensor | None = None
+    without_replacement: bool = False
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -65,7 +67,10 @@ class Tree:
         if self.tokens.device == torch.device(device):
             return self
         q = None if self.q is None else self.q.to(device)
-        return Tree(self.tokens.to(device), self.parents.to(device), self.depth.to(device), self.scores.to(device), q)
+        return Tree(
+            self.tokens.to(device), self.parents.to(device), self.depth.to(device), self.scores.to(device), q,
+            self.without_replacement,
+        )
 
     @property
     def num_nodes(self) -> int:

@@ -1,0 +1,130 @@
+"""Exact speculative sampling, proven statistically against enumerated distributions.
+
+The target is a Markov LM over 6 tokens that honours KV caches and 4D masks
+(tests/markov_lm.py), so the probability of every 3-token continuation is
+known in closed form. Each configuration draws 20,000 continuations through
+the full engine and must fit that distribution (chi-square p > 0.001 and TV
+under a bound derived from the sample size). A deliberately wrong rule must
+fail the same test. The default run covers every drafter kind, temperature
+and filter at least once; ``-m slow`` runs the full grid.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import specgraft as sg
+import specgraft.infer.generator as generator_module
+from specgraft.infer.sampling import SamplingPolicy
+from specgraft.infer.exactness import fit
+from specgraft.infer.verify import Acceptance
+from markov_lm import exact_distribution, markov_target
+
+VOCAB = 6
+LENGTH = 3
+SAMPLES = 20_000
+PROMPT = [0, 1, 2, 0, 1]  # repeats, so prompt lookup finds n-gram matches to draft from
+
+TARGET = markov_target(VOCAB, seed=0)
+DRAFT = markov_target(VOCAB, seed=1)  # a different table: drafts are often rejected
+
+DRAFTERS = {
+    "draft-model sampled chain": lambda: (sg.DraftModel(DRAFT, TARGET), sg.Chain(3, draw="sample")),
+    "draft-model top-k tree": lambda: (
+        sg.DraftModel(DRAFT, TARGET),
+        sg.StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], draw="top-k"),
+    ),
+    "draft-model sampled tree (SpecInfer)": lambda: (
+        sg.DraftModel(DRAFT, TARGET),
+        sg.StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], draw="sample"),
+    ),
+    "draft-model sampled tree without replacement (Sequoia)": lambda: (
+        sg.DraftModel(DRAFT, TARGET),
+        sg.StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], draw="sample-without-replacement"),
+    ),
+    "prompt lookup": lambda: (sg.PromptLookup(max_ngram=2, num_tokens=3), None),
+}
+FILTERS = {"no filter": {}, "top-k 3": {"top_k": 3}, "top-p 0.8": {"top_p": 0.8}}
+TEMPERATURES = (0.5, 1.0, 1.5)
+
+
+def sample_continuations(drafter_name: str, temperature: float, filters: dict, n: int = SAMPLES) -> Counter:
+    drafter, tree = DRAFTERS[drafter_name]()
+    gen = sg.SpeculativeGenerator(TARGET, drafter, tree=tree)
+    torch.manual_seed(1234)  # unseeded generations draw their seeds from torch's global RNG
+    counts: Counter = Counter()
+    for _ in range(n):
+        out = gen.generate(PROMPT, max_new_tokens=LENGTH, temperature=temperature, **filters)
+        counts[tuple(out.token_ids)] += 1
+    return counts
+
+
+def exact(temperature: float, filters: dict) -> dict:
+    policy = SamplingPolicy(temperature=temperature, **filters)
+    return exact_distribution(TARGET.model, PROMPT, LENGTH, policy.probs)
+
+
+# Every drafter, temperature and filter appears at least once in the default run.
+DEFAULT_GRID = [
+    ("draft-model sampled chain", 1.0, "top-p 0.8"),
+    ("draft-model top-k tree", 0.5, "top-k 3"),
+    ("draft-model sampled tree (SpecInfer)", 1.5, "no filter"),
+    ("draft-model sampled tree without replacement (Sequoia)", 1.0, "top-k 3"),
+    ("prompt lookup", 1.5, "top-p 0.8"),
+]
+FULL_GRID = [(d, t, f) for d in DRAFTERS for t in TEMPERATURES for f in FILTERS]
+
+
+@pytest.mark.parametrize("drafter_name,temperature,filter_name", DEFAULT_GRID)
+def test_speculative_samples_follow_the_target_distribution(drafter_name, temperature, filter_name):
+    filters = FILTERS[filter_name]
+    result = fit(sample_continuations(drafter_name, temperature, filters), exact(temperature, filters))
+    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}: {result}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_name,temperature,filter_name", [c for c in FULL_GRID if c not in DEFAULT_GRID])
+def test_speculative_samples_follow_the_target_distribution_full_grid(drafter_name, temperature, filter_name):
+    filters = FILTERS[filter_name]
+    result = fit(sample_continuations(drafter_name, temperature, filters), exact(temperature, filters))
+    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}: {result}"
+
+
+def test_plain_sampling_follows_the_target_distribution():
+    gen = sg.SpeculativeGenerator(TARGET, None)
+    torch.manual_seed(99)
+    counts = Counter(tuple(gen.generate(PROMPT, max_new_tokens=LENGTH, temperature=1.0).token_ids) for _ in range(5000))
+    result = fit(counts, exact(1.0, {}))
+    assert result.passed, str(result)
+
+
+def _accept_without_ratio(tree, p, generator) -> Acceptance:
+    """WRONG on purpose: take the first child at every level, never testing p/q."""
+    path = [0]
+    while True:
+        kids = (tree.parents == path[-1]).nonzero().flatten().tolist()
+        if not kids:
+            return Acceptance(torch.tensor(path), int(torch.multinomial(p[path[-1]], 1, generator=generator)))
+        path.append(kids[0])
+
+
+def test_negative_control_wrong_rule_fails_the_same_test(monkeypatch):
+    monkeypatch.setattr(generator_module, "sample_accept", _accept_without_ratio)
+    result = fit(sample_continuations("draft-model sampled chain", 1.0, {}), exact(1.0, {}))
+    assert not result.passed, f"the test has no power: a wrong rule passed with {result}"
+    assert result.p_value < 1e-6 and result.tv > result.tv_bound
+
+
+def test_negative_control_filter_on_one_side_only_fails(monkeypatch):
+    """Filtering q but not p (a known bug in the wild) breaks exactness, and the test sees it."""
+
+    def accept_with_unfiltered_p(self, tree, logits):
+        p = SamplingPolicy(temperature=self.sampler.policy.temperature).probs(logits)  # WRONG: top-k dropped
+        return generator_module.sample_accept(tree, p, self.sampler.generator)
+
+    monkeypatch.setattr(generator_module.Decoding, "_accept", accept_with_unfiltered_p)
+    result = fit(sample_continuations("draft-model sampled chain", 1.0, {"top_k": 2}), exact(1.0, {"top_k": 2}))
+    assert not result.passed, f"the test has no power: one-sided filtering passed with {result}"
