@@ -131,8 +131,9 @@ class SpeculativeGenerator:
             (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
         )
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        rule = StopRule(max_new_tokens, eos, stops, self.target.decode if stops else None)
-        decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids, sampler, self.acceptance)
+        decode = self.target.decode if self.target.tokenizer is not None else None
+        rule = StopRule(max_new_tokens, eos, stops, decode)
+        decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids, policy, sampler, self.acceptance)
         yield from _stream_text(self.target, decoding.run(rule))
 
     def _prompt_ids(self, prompt: Prompt) -> torch.Tensor:
@@ -141,6 +142,8 @@ class SpeculativeGenerator:
                 raise ValueError("prompt is empty")
             ids = self.target.encode(prompt)
         elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+                raise ValueError(f"prompt tensor has shape {tuple(prompt.shape)}: pass one sequence, (S,) or (1, S)")
             ids = prompt.flatten().tolist()
         else:
             ids = list(prompt)
@@ -171,11 +174,13 @@ class Decoding:
         drafter: Drafter | None,
         policy: TreePolicy,
         prompt_ids: torch.Tensor,
+        sampling: SamplingPolicy | None = None,
         sampler: Sampler | None = None,
         acceptance: str = "exact",
     ) -> None:
         self.target, self.drafter, self.policy = target, drafter, policy
         self.prompt_ids = prompt_ids
+        self.sampling = sampling or SamplingPolicy(temperature=0.0)
         self.sampler = sampler  # None: greedy
         self.acceptance = acceptance
         self.cache = target.new_cache()
@@ -194,7 +199,7 @@ class Decoding:
             self.drafter.reset(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
         last = out.logits[0, -1]
         if self.sampler is None:
-            self.root = int(last.argmax())
+            self.root = int(self.sampling.ban(last).argmax())
         else:
             self.root = int(torch.multinomial(self.sampler.probs(last), 1, generator=self.sampler.generator))
         self.recorder.first_token()
@@ -223,7 +228,7 @@ class Decoding:
 
     def _accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
         if self.sampler is None:
-            return greedy_accept(tree, logits)
+            return greedy_accept(tree, self.sampling.ban(logits))
         p = self.sampler.probs(logits)  # (N, V) the same filters the draft's q went through
         if self.acceptance == "typical":
             return typical_accept(tree, p, self.sampler.generator)

@@ -41,11 +41,15 @@ class SamplingPolicy:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def ban(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits with banned ids at -inf: greedy decoding's argmax goes through this too."""
+        if not self.banned_token_ids:
+            return logits
+        return logits.index_fill(-1, torch.tensor(self.banned_token_ids, device=logits.device), -torch.inf)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits or log-probs -> (..., V) normalised probabilities after every filter."""
-        logits = logits.float()
-        if self.banned_token_ids:
-            logits = logits.index_fill(-1, torch.tensor(self.banned_token_ids, device=logits.device), -torch.inf)
+        logits = self.ban(logits.float())
         if self.greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         logits = logits / self.temperature
