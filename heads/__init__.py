@@ -1,7 +1,84 @@
-"""Drafters: anything that proposes candidate trees for the target to verify."""
+"""Drafters: anything that proposes candidate trees for the target to verify.
 
-from specgraft.heads.base import Drafter
+Trainable heads are built from a typed config with `build_head`, saved with
+`save_head`, and loaded for generation with `load_drafter`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from specgraft.heads.base import Drafter, TrainableHead, TrainBatch
+from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, save_head
+from specgraft.heads.configs import DistillConfig, EagleConfig, HeadConfig, MedusaConfig
+from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
+from specgraft.heads.eagle import EagleDrafter, EagleHead
+from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
+from specgraft.target import Target
 
-__all__ = ["DraftModel", "Drafter", "PromptLookup"]
+
+def build_head(config: MedusaConfig | EagleConfig | DistillConfig, target: Target) -> nn.Module:
+    """A fresh trainable head for ``target`` (the builder receives the frozen target; it loads nothing)."""
+    if isinstance(config, MedusaConfig):
+        return MedusaHeads.for_target(config, target)
+    if isinstance(config, EagleConfig):
+        return EagleHead(config, target)
+    if isinstance(config, DistillConfig):
+        return DistilledDraft(config, target)
+    raise TypeError(f"unknown head config {type(config).__name__}")
+
+
+def load_head(path: str | Path, target: Target) -> nn.Module:
+    """A trained head module from a head directory, checked against ``target``."""
+    config, signature, tensors = read_head_dir(path)
+    check_target(signature, target, f"head {path}")
+    head = build_head(config, target)
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{Path(path) / 'model.safetensors'} does not fit a {config.type} head: missing {missing}, unexpected {unexpected}")
+    return head.to(target.device).eval()
+
+
+def as_drafter(head: nn.Module, target: Target) -> Drafter:
+    """The drafter view of a trainable head module (shares its weights)."""
+    if isinstance(head, MedusaHeads):
+        return MedusaDrafter(head, target)
+    if isinstance(head, EagleHead):
+        return EagleDrafter(head, target)
+    if isinstance(head, DistilledDraft):
+        return DraftModel(Target(head.model, target.tokenizer, "distilled draft"), target)
+    raise TypeError(f"{type(head).__name__} is not a drafter")
+
+
+def load_drafter(path: str | Path, target: Target) -> Drafter:
+    """Any trained drafter directory: a Medusa or EAGLE head, or a distilled draft model."""
+    path = Path(path)
+    if (path / SIDECAR).is_file():  # a distilled draft: a transformers model directory
+        check_target(json.loads((path / SIDECAR).read_text())["target"], target, f"draft model {path}")
+        return DraftModel(path, target)
+    return as_drafter(load_head(path, target), target)
+
+
+__all__ = [
+    "DistilledDraft",
+    "DraftModel",
+    "Drafter",
+    "EagleDrafter",
+    "EagleHead",
+    "HeadConfig",
+    "MedusaDrafter",
+    "MedusaHeads",
+    "PromptLookup",
+    "TrainBatch",
+    "TrainableHead",
+    "as_drafter",
+    "build_head",
+    "load_drafter",
+    "load_head",
+    "save_head",
+]

@@ -14,6 +14,7 @@ subclasses anything.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -44,3 +45,37 @@ class Drafter(Protocol):
 
     def cache_tokens(self) -> int:
         """KV positions the drafter holds now (0 if it keeps no cache)."""
+
+
+@dataclass
+class TrainBatch:
+    """What a head trains on: a batch of sequences with the frozen target's view of them.
+
+    Shape legend: B sequences, T positions, V vocabulary, H hidden.
+
+    Attributes:
+        input_ids: (B, T) token ids (right-padded).
+        loss_mask: (B, T) 1.0 where position t's token is one the model should learn
+            to predict (assistant tokens, not padding), else 0.0.
+        hidden: HF hidden_states index -> (B, T, H) target states (the layers the head asked for).
+        target_logits: (B, T, V) the target's logits at every position (predicting position t + 1).
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+    target_logits: torch.Tensor
+
+
+@runtime_checkable
+class TrainableHead(Protocol):
+    """A draft head the trainer can fit: an nn.Module that owns its loss.
+
+    The trainer runs one loop for every head: it builds a `TrainBatch` from
+    the frozen target and calls ``loss``; heads never fork the loop.
+    """
+
+    hidden_layers: tuple[int, ...]
+
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Scalar training loss and named float metrics for logging."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from specgraft.heads.draft_round import DraftRound
 from specgraft.target import Target, load_model
 from specgraft.tree import Tree, TreePolicy, additive_mask
 from specgraft.tree.draw import DraftSampler
@@ -61,57 +62,19 @@ class DraftModel:
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.device)
-        round_ = _DraftRound(self, root_token)
+        round_ = DraftRound(len(self.committed), lambda: self._run_root(root_token), self._run_nodes, self.device)
         try:
             return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
         finally:
             self.cache.crop(min(len(self.cache), len(self.committed)))  # roll back every draft position
 
-
-class _DraftRound:
-    """The draft model's state while one tree grows: which node sits in which cache slot."""
-
-    def __init__(self, drafter: DraftModel, root_token: int) -> None:
-        self.drafter = drafter
-        self.root_token = root_token
-        self.slot_nodes: list[int] = []  # tree nodes in cache order, after the committed prefix
-        self.logp: dict[int, torch.Tensor] = {}  # node -> (V,) draft log-probs of its next token
-
-    def step(self, tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
-        """(F,) frontier nodes -> (F, V) draft log-probabilities for their children."""
-        new = [n for n in frontier.tolist() if n not in self.logp]
-        if 0 in new:
-            self._run_root()
-            new.remove(0)
-        if new:
-            self._run_nodes(tree, new)
-        return torch.stack([self.logp[n] for n in frontier.tolist()])
-
-    def _run_root(self) -> None:
+    def _run_root(self, root_token: int) -> torch.Tensor:
         """Catch the cache up on committed tokens, then run the root: plain causal attention."""
-        d = self.drafter
-        start = len(d.cache)
-        ids = torch.cat([d.committed[start:], torch.tensor([self.root_token], device=d.device)])
-        positions = torch.arange(start, start + len(ids), device=d.device)
-        out = d.model.forward(ids[None], d.cache, positions[None])
-        self.logp[0] = out.logits[0, -1].log_softmax(-1)
-        self.slot_nodes.append(0)
+        start = len(self.cache)
+        ids = torch.cat([self.committed[start:], torch.tensor([root_token], device=self.device)])
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        return self.model.forward(ids[None], self.cache, positions[None]).logits[0, -1]
 
-    def _run_nodes(self, tree: Tree, nodes: list[int]) -> None:
-        d = self.drafter
-        idx = torch.tensor(nodes, device=d.device)
-        prefix = len(d.committed)
-        columns = torch.tensor(self.slot_nodes + nodes, device=d.device)
-        visible = torch.cat(
-            [
-                torch.ones(len(nodes), prefix, dtype=torch.bool, device=d.device),
-                tree.ancestor_mask()[idx][:, columns],  # (F, slots + F): ancestors and self only
-            ],
-            dim=1,
-        )
-        out = d.model.forward(
-            tree.tokens[idx][None], d.cache, (prefix + tree.depth[idx])[None], additive_mask(visible, d.model.dtype)
-        )
-        for i, node in enumerate(nodes):
-            self.logp[node] = out.logits[0, i].log_softmax(-1)
-        self.slot_nodes.extend(nodes)
+    def _run_nodes(self, tree: Tree, nodes: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        mask = additive_mask(visible, self.model.dtype)
+        return self.model.forward(tree.tokens[nodes][None], self.cache, positions[None], mask).logits[0]

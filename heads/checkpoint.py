@@ -1,0 +1,124 @@
+"""Head checkpoints: a directory of config.json + model.safetensors + README.md.
+
+Never pickle: weights go through safetensors only. The config names the
+target the head was trained for (name, sizes and a fingerprint of its input
+embedding) so loading a head on the wrong target is a clear error instead of
+silent garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import TypeAdapter, ValidationError
+from safetensors.torch import load_file, save_file
+
+from specgraft.heads.configs import HeadConfig
+from specgraft.target import Target
+
+FORMAT_VERSION = 1
+SIDECAR = "specgraft_head.json"  # head config + target signature beside a transformers model directory
+FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell targets apart, cheap for 128k vocabularies
+
+
+def target_signature(target: Target) -> dict[str, Any]:
+    """What a head must match: sizes, and a fingerprint of evenly spaced rows of the input embedding."""
+    weight = target.model.get_input_embeddings().weight.detach()
+    rows = torch.linspace(0, weight.shape[0] - 1, FINGERPRINT_ROWS).long().unique()
+    sample = weight[rows.to(weight.device)].float().cpu().contiguous()
+    return {
+        "name": target.name,
+        "hidden_size": int(target.config.hidden_size),
+        "vocab_size": int(target.vocab_size),
+        "num_hidden_layers": int(target.num_layers),
+        "embedding_fingerprint": hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16],
+    }
+
+
+def check_target(signature: dict[str, Any], target: Target, where: str) -> None:
+    """Raise naming every field where ``target`` differs from the one a head was trained for."""
+    actual = target_signature(target)
+    wrong = [
+        f"{key}: head expects {signature[key]!r}, target has {actual[key]!r}"
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers", "embedding_fingerprint")
+        if key in signature and signature[key] != actual[key]
+    ]
+    if wrong:
+        raise ValueError(
+            f"{where} was trained for target {signature.get('name')!r}, not {actual['name']!r}: " + "; ".join(wrong)
+        )
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, then rename: a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_head(head: torch.nn.Module, out_dir: str | Path, target: Target, card: str = "") -> Path:
+    """Write ``head`` (its ``config`` and trainable weights) to ``out_dir``.
+
+    Args:
+        head: a head module with a ``config`` (one of heads.configs); its ``state_dict()`` is
+            saved, or, when it has ``save(out_dir, target)``, that writes the weights.
+        card: extra Markdown for the README model card (recipe, measured tau).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "specgraft_format": FORMAT_VERSION,
+        "head": dataclasses.asdict(head.config),
+        "target": target_signature(target),
+    }
+    if hasattr(head, "save"):  # a head that is a whole model writes its own format (e.g. a transformers dir)
+        head.save(out, target)
+        _atomic_write(out / SIDECAR, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    else:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+        _atomic_write(out / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        _atomic_write(out / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    readme = (
+        f"# specgraft {config['head']['type']} head\n\n"
+        f"Draft head for `{config['target']['name']}` (hidden {config['target']['hidden_size']}, "
+        f"vocab {config['target']['vocab_size']}, {config['target']['num_hidden_layers']} layers).\n\n"
+        "```python\nimport specgraft as sg\n"
+        f"target = sg.load_target({config['target']['name']!r})\n"
+        f"drafter = sg.load_drafter({str(out)!r}, target)\n```\n\n{card}\n"
+    )
+    _atomic_write(out / "README.md", lambda p: Path(p).write_text(readme))
+    return out
+
+
+def read_head_dir(path: str | Path) -> tuple[Any, dict[str, Any], dict[str, torch.Tensor]]:
+    """(typed head config, target signature, tensors) of a head directory, with errors naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"head directory {path} does not exist")
+    config_file, weights_file = path / "config.json", path / "model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: a head directory holds config.json and model.safetensors")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    if "head" not in raw or "target" not in raw:
+        raise ValueError(f"{config_file} lacks the 'head' and 'target' sections of a specgraft head")
+    try:
+        head_config = TypeAdapter(HeadConfig).validate_python(raw["head"])
+    except ValidationError as err:
+        raise ValueError(f"{config_file}: invalid head config:\n{err}") from None
+    return head_config, raw["target"], load_file(str(weights_file))

@@ -1,0 +1,52 @@
+"""Typed configs of the trainable heads, validated by pydantic (unknown keys are errors).
+
+Each head module builds from its config; the YAML ``head:`` section of a
+training config is one of these, chosen by ``type``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+STRICT = ConfigDict(extra="forbid")
+
+
+@dataclass(config=STRICT)
+class MedusaConfig:
+    """Medusa-1: ``num_heads`` heads; head i reads the target's last hidden state at t and predicts token t + 2 + i."""
+
+    type: Literal["medusa"] = "medusa"
+    num_heads: int = Field(4, ge=1)
+    num_layers: int = Field(1, ge=1)  # residual blocks per head (Medusa's medusa_num_layers)
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0)  # head i's loss weight is loss_decay ** i (Medusa paper)
+
+
+@dataclass(config=STRICT)
+class EagleConfig:
+    """EAGLE-1/2 feature drafter: fc(2H -> H) over [embedding, feature], one decoder layer, the target's lm_head."""
+
+    type: Literal["eagle"] = "eagle"
+    num_layers: int = Field(1, ge=1)
+    fc_bias: bool = True  # EAGLE-1 checkpoints carry an fc bias
+    noise: float = Field(0.1, ge=0.0)  # U(-noise, noise) added to input features while training (EAGLE paper)
+    feature_loss_weight: float = 1.0  # SmoothL1 on predicted features
+    token_loss_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE's 0.1)
+
+
+@dataclass(config=STRICT)
+class DistillConfig:
+    """An independent small causal LM of the target's architecture, trained by KL to the target's distribution."""
+
+    type: Literal["draft-model"] = "draft-model"
+    num_layers: int = Field(1, ge=1)
+    hidden_size: int | None = None  # None: the target's
+    intermediate_size: int | None = None  # None: the target's
+    num_attention_heads: int | None = None  # None: the target's
+    num_key_value_heads: int | None = None  # None: the target's
+    temperature: float = Field(1.0, gt=0.0)  # of the KL targets
+
+
+HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, DistillConfig], Field(discriminator="type")]

@@ -1,0 +1,180 @@
+"""EAGLE-1/2 feature drafter: autoregression in the target's feature space.
+
+Pair i joins the target's feature f_i (its last hidden state, after the
+final norm) with the embedding of the next token t_{i+1}; one Llama decoder
+layer over the pairs predicts f_{i+1}, and the target's own lm_head turns a
+predicted feature into the distribution of t_{i+2}. While drafting, a node's
+pair is (predicted feature of its parent, its own token), so the drafter
+walks a tree with tree attention over its own KV cache; between steps that
+cache keeps only pairs made of committed tokens and true target features.
+
+Weight names follow the official EAGLE checkpoints: ``fc.*``, ``layers.0.*``
+(no input norm on that layer). The target's embedding and lm_head are used,
+frozen, and never saved with the head.
+
+Shape legend: B batch, T pairs, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from specgraft.heads.base import TrainBatch
+from specgraft.heads.configs import EagleConfig
+from specgraft.heads.draft_round import DraftRound
+from specgraft.target import KVCache, Target
+from specgraft.tree import Tree, TreePolicy, additive_mask
+from specgraft.tree.draw import DraftSampler
+
+
+def layer_config(target_config, num_layers: int) -> LlamaConfig:
+    """A Llama config for the draft layers, sized like the target (head_dim read, never derived)."""
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(target_config, "rope_theta", 10000.0),
+    }
+    return LlamaConfig(
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", target_config.num_attention_heads),
+        head_dim=head_dim,
+        num_hidden_layers=num_layers,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=rope,
+        vocab_size=target_config.vocab_size,
+        attn_implementation="sdpa",
+    )
+
+
+class EagleHead(nn.Module):
+    """fc(2H -> H) over [embedding, feature], then decoder layers: predicts the next feature."""
+
+    def __init__(self, config: EagleConfig, target: Target) -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_layers = (target.num_layers,)  # HF hidden_states[-1]: after the final norm
+        hidden = target.config.hidden_size
+        llama = layer_config(target.config, config.num_layers)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, layer_idx=i) for i in range(config.num_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE: the fused input is not normed again
+        self.rotary = LlamaRotaryEmbedding(llama)
+        # The target's frozen embedding and lm_head: shared, not trained, not saved.
+        self.register_buffer("embed_weight", target.model.get_input_embeddings().weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", target.model.get_output_embeddings().weight.detach(), persistent=False)
+        self.to(target.device)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T, H) features and (B, T) next tokens -> (B, T, H) predicted next features."""
+        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight).to(features.dtype), features], dim=-1))
+        if attention_mask is None:  # plain causal attention over the new pairs, after any cached ones
+            past = len(cache) if cache is not None else 0
+            t = tokens.shape[1]
+            visible = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            attention_mask = additive_mask(visible, x.dtype)
+        position_embeddings = self.rotary(x, position_ids)
+        for layer in self.layers:
+            x = layer(
+                x,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache.hf if cache is not None else None,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return x
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return features @ self.lm_head_weight.to(features.dtype).T
+
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """SmoothL1 on the next feature + token_loss_weight x cross-entropy against the target's distribution."""
+        f = batch.hidden[self.hidden_layers[0]].detach()  # (B, T, H)
+        b, t, _ = f.shape
+        inputs = f[:, :-1]
+        if self.training and self.config.noise > 0:
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * self.config.noise  # U(-noise, noise), EAGLE
+        positions = torch.arange(t - 1, device=f.device)[None].expand(b, -1)
+        pred = self(inputs, batch.input_ids[:, 1:], positions)  # (B, T-1, H): predicted f_1 .. f_{T-1}
+        # Pair i predicts f_{i+1}, whose lm_head gives t_{i+2}: learn it where t_{i+2} is a trained token.
+        mask = torch.cat([batch.loss_mask[:, 2:], batch.loss_mask.new_zeros(b, 1)], dim=1).float()  # (B, T-1)
+        denom = mask.sum().clamp(min=1.0)
+        feature_loss = (F.smooth_l1_loss(pred, f[:, 1:], reduction="none").mean(-1) * mask).sum() / denom
+        target_p = batch.target_logits[:, 1:].float().softmax(-1)
+        draft_logp = self.logits(pred).float().log_softmax(-1)
+        token_loss = (-(target_p * draft_logp).sum(-1) * mask).sum() / denom
+        loss = self.config.feature_loss_weight * feature_loss + self.config.token_loss_weight * token_loss
+        top1 = ((draft_logp.argmax(-1) == target_p.argmax(-1)).float() * mask).sum() / denom
+        return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()), "token_loss": float(token_loss.detach()), "top1": float(top1)}
+
+
+class EagleDrafter:
+    """Drafts with an `EagleHead`: pairs of committed features and tokens in its own KV cache, a tree on top."""
+
+    def __init__(self, head: EagleHead, target: Target) -> None:
+        self.head = head  # not put in eval mode here: the trainer's evaluator may share the module
+        self.hidden_layers = head.hidden_layers
+        self.device = target.device
+        self.features = torch.zeros(0, target.config.hidden_size, device=self.device)  # (n, H) true f_0..f_{n-1}
+        self.tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,) committed t_0..t_{n-1}
+        self.cache = KVCache()  # pair i at position i; between rounds only pairs of committed tokens and true features
+
+    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.features = hidden[self.hidden_layers[0]].float()
+        self.tokens = prompt_ids.flatten().to(self.device)
+        self.cache = KVCache()
+
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.features = torch.cat([self.features, hidden[self.hidden_layers[0]].float()])
+        self.tokens = torch.cat([self.tokens, tokens.flatten().to(self.device)])
+
+    def cache_tokens(self) -> int:
+        return len(self.cache)
+
+    @torch.inference_mode()
+    def propose(
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+    ) -> Tree:
+        if max_depth < 1:
+            return Tree.root_only(root_token, self.device)
+        n = len(self.tokens)
+        node_features: dict[int, torch.Tensor] = {}  # node -> (H,) predicted feature at the node's position
+
+        def run_root() -> torch.Tensor:
+            # Pairs (f_i, t_{i+1}) not yet cached; the last pairs f_{n-1} with the root.
+            start = len(self.cache)
+            next_tokens = torch.cat([self.tokens[start + 1 :], torch.tensor([root_token], device=self.device)])
+            positions = torch.arange(start, n, device=self.device)[None]
+            out = self.head(self.features[start:n][None], next_tokens[None], positions, cache=self.cache)
+            node_features[0] = out[0, -1]
+            return self.head.logits(out[0, -1])
+
+        def run_nodes(tree: Tree, nodes: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            parents = tree.parents[nodes].tolist()
+            feats = torch.stack([node_features[p] for p in parents])[None]  # (1, F, H)
+            mask = additive_mask(visible, feats.dtype)
+            out = self.head(feats, tree.tokens[nodes][None], positions[None], mask, cache=self.cache)[0]
+            node_features.update(zip(nodes.tolist(), out))
+            return self.head.logits(out)
+
+        round_ = DraftRound(n - 1, run_root, run_nodes, self.device)
+        try:
+            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
+        finally:
+            # Keep pairs 0 .. n-2: committed tokens and true features. The root's pair is run again next
+            # round, so proposing twice without a commit (evaluation does) stays correct.
+            self.cache.crop(min(len(self.cache), n - 1))

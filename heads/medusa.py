@@ -1,0 +1,116 @@
+"""Medusa-1 heads: K small heads on the target's last hidden state.
+
+Head k reads the hidden state at position t (after the target's final norm,
+HF ``hidden_states[-1]``) and predicts the token at t + 2 + k: position t + 1
+is the target's own next token, the root of the tree. Every head is a stack
+of residual blocks ``x + SiLU(W x + b)`` with W zero-initialised (so a fresh
+head starts as the target's own lm_head) and its own vocabulary projection
+copied from the target's lm_head. Each head owns separate blocks (the
+reference code shares one block object between layers by mistake).
+
+Weight names follow vLLM's Medusa: ``blocks.{h}.layers.{l}.weight/bias``,
+``lm_heads.{h}.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgraft.heads.base import TrainBatch
+from specgraft.heads.configs import MedusaConfig
+from specgraft.target import Target
+from specgraft.tree import Tree, TreePolicy
+from specgraft.tree.draw import DraftSampler
+
+
+class MedusaBlock(nn.Module):
+    """``num_layers`` residual SiLU layers; zero weights make it the identity at start."""
+
+    def __init__(self, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K heads over the target's final hidden state. forward: (..., H) -> (K, ..., V) logits."""
+
+    def __init__(self, config: MedusaConfig, hidden_size: int, vocab_size: int, num_target_layers: int) -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_layers = (num_target_layers,)  # HF hidden_states[-1]: after the final norm
+        self.blocks = nn.ModuleList(MedusaBlock(hidden_size, config.num_layers) for _ in range(config.num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(config.num_heads))
+
+    @classmethod
+    def for_target(cls, config: MedusaConfig, target: Target) -> MedusaHeads:
+        """Fresh heads whose projections start as copies of the target's lm_head."""
+        heads = cls(config, target.config.hidden_size, target.vocab_size, target.num_layers)
+        weight = target.model.get_output_embeddings().weight.detach()
+        for lm_head in heads.lm_heads:
+            lm_head.weight.data.copy_(weight.float())
+        return heads.to(target.device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)])
+
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Cross-entropy of head k against the token 2 + k ahead, weighted loss_decay ** k."""
+        hidden = batch.hidden[self.hidden_layers[0]].float()  # (B, T, H)
+        logits = self(hidden)  # (K, B, T, V)
+        total = hidden.new_zeros(())
+        metrics = {}
+        for k in range(self.config.num_heads):
+            shift = 2 + k
+            if shift >= hidden.shape[1]:
+                break
+            pred = logits[k, :, :-shift]  # (B, T - shift, V)
+            labels = batch.input_ids[:, shift:]
+            mask = batch.loss_mask[:, shift:].float()
+            ce = F.cross_entropy(pred.transpose(1, 2), labels, reduction="none")  # (B, T - shift)
+            denom = mask.sum().clamp(min=1.0)
+            total = total + self.config.loss_decay**k * (ce * mask).sum() / denom
+            metrics[f"head{k}_top1"] = float(((pred.argmax(-1) == labels).float() * mask).sum() / denom)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+
+class MedusaDrafter:
+    """Drafts with Medusa heads: depth d's distribution is head d - 1's, whatever the parent."""
+
+    def __init__(self, heads: MedusaHeads, target: Target) -> None:
+        self.heads = heads  # not put in eval mode here: the trainer's evaluator may share the module
+        self.hidden_layers = heads.hidden_layers
+        self.last_hidden: torch.Tensor | None = None  # (H,) target state at the last cached token
+
+    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.last_hidden = hidden[self.hidden_layers[0]][-1]
+
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.last_hidden = hidden[self.hidden_layers[0]][-1]
+
+    def cache_tokens(self) -> int:
+        return 0
+
+    @torch.inference_mode()
+    def propose(
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+    ) -> Tree:
+        max_depth = min(max_depth, self.heads.config.num_heads)
+        if max_depth < 1:
+            return Tree.root_only(root_token, self.last_hidden.device)
+        logp = self.heads(self.last_hidden.float()).log_softmax(-1)  # (K, V): head k drafts depth k + 1
+
+        def step(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
+            return logp[tree.depth[frontier]]
+
+        return policy.grow(step, root_token, max_depth=max_depth, device=self.last_hidden.device, sampler=sampler)

@@ -1,0 +1,186 @@
+"""Medusa, EAGLE and distilled-draft heads: structure, losses, checkpoints, and exact drafting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specgraft as sg
+from specgraft.heads import EagleDrafter, as_drafter, build_head, load_drafter, load_head, save_head
+from specgraft.heads.base import TrainBatch
+from specgraft.heads.configs import DistillConfig, EagleConfig, MedusaConfig
+from conftest import tiny_causal_lm
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=3))
+
+
+def _batch(target, head, length=12, batch=2, seed=0):
+    ids = torch.randint(0, target.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    return TrainBatch(ids, torch.ones(batch, length), {i: out.hidden_states[i] for i in head.hidden_layers}, out.logits)
+
+
+def test_medusa_weight_names_follow_vllm(tiny_target):
+    heads = build_head(MedusaConfig(num_heads=3, num_layers=2), tiny_target)
+    assert sorted(heads.state_dict()) == sorted(
+        [f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")]
+        + [f"lm_heads.{h}.weight" for h in range(3)]
+    )
+
+
+def test_medusa_heads_own_separate_blocks(tiny_target):
+    heads = build_head(MedusaConfig(num_heads=2, num_layers=2), tiny_target)
+    layers = [layer for block in heads.blocks for layer in block.layers]
+    assert len({id(layer) for layer in layers}) == 4
+
+
+def test_fresh_medusa_heads_equal_the_target_lm_head(tiny_target):
+    heads = build_head(MedusaConfig(num_heads=2), tiny_target)
+    hidden = torch.randn(5, tiny_target.config.hidden_size)
+    expected = tiny_target.model.get_output_embeddings()(hidden)
+    assert torch.allclose(heads(hidden), expected.expand(2, -1, -1), atol=1e-5)
+
+
+def test_medusa_loss_weights_heads_by_decay(tiny_target):
+    heads = build_head(MedusaConfig(num_heads=2, loss_decay=0.5), tiny_target)
+    batch = _batch(tiny_target, heads)
+    loss, metrics = heads.loss(batch)
+    logits = heads(batch.hidden[heads.hidden_layers[0]])
+    ce = [
+        torch.nn.functional.cross_entropy(logits[k, :, : -(2 + k)].reshape(-1, logits.shape[-1]), batch.input_ids[:, 2 + k :].reshape(-1))
+        for k in range(2)
+    ]
+    assert loss.item() == pytest.approx((ce[0] + 0.5 * ce[1]).item(), rel=1e-5)
+    assert set(metrics) >= {"head0_top1", "head1_top1", "loss"}
+
+
+def test_eagle_weight_names_follow_official_checkpoints(tiny_target):
+    head = build_head(EagleConfig(), tiny_target)
+    names = set(head.state_dict())
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    assert not any("input_layernorm" in n or "embed" in n or "lm_head" in n for n in names)
+
+
+def test_eagle_loss_is_finite_and_backpropagates_into_the_head_only(tiny_target):
+    head = build_head(EagleConfig(), tiny_target).train()
+    loss, metrics = head.loss(_batch(tiny_target, head))
+    loss.backward()
+    assert torch.isfinite(loss) and head.fc.weight.grad is not None
+    assert all(p.grad is None for p in tiny_target.model.parameters())
+    assert set(metrics) >= {"feature_loss", "token_loss", "top1"}
+
+
+def test_eagle_tree_drafting_matches_sequential_drafting(tiny_target):
+    """A node's distribution must not depend on its siblings: tree attention equals running its path alone."""
+    head = build_head(EagleConfig(), tiny_target).eval()
+    torch.manual_seed(0)
+    for p in head.parameters():
+        p.data.normal_(0, 0.2)
+    prompt = torch.tensor([1, 5, 9, 14])
+    out = tiny_target.forward(prompt[None], tiny_target.new_cache(), torch.arange(4)[None], hidden_layers=head.hidden_layers)
+    hidden = {i: h[0] for i, h in out.hidden.items()}
+    drafter = EagleDrafter(head, tiny_target)
+    drafter.reset(prompt, hidden)
+    tree = drafter.propose(7, sg.StaticTree([[0], [1], [0, 0], [1, 0], [1, 0, 0]]), 3)
+    for path in tree.paths():
+        chain = drafter.propose(7, ForcedPath(tree.tokens[path[1:]].tolist()), len(path) - 1)
+        assert torch.equal(chain.tokens, tree.tokens[path])
+        assert torch.allclose(chain.scores, tree.scores[path], atol=1e-5)
+
+
+class ForcedPath:
+    """Drafts exactly the given tokens (a chain) so its scores can be compared."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+        self.max_depth = len(tokens)
+
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+        builder = sg.tree.TreeBuilder(root_token, device)
+        last = torch.zeros(1, dtype=torch.long)
+        for token in self.tokens:
+            logp = step(builder.tree(), last)[0]
+            last = builder.add(torch.tensor([token]), last, builder.tree().scores[last] + logp[token])
+        return builder.tree()
+
+
+@pytest.mark.parametrize("config", [MedusaConfig(num_heads=3), EagleConfig(), DistillConfig(num_layers=1)], ids=lambda c: c.type)
+def test_random_heads_keep_greedy_output_identical(tiny_target, config):
+    head = build_head(config, tiny_target).eval()
+    torch.manual_seed(1)
+    for p in head.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    prompt = [1, 4, 8, 15, 16]
+    ref = tiny_target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None)[0, 5:].tolist()
+    for tree in (sg.Chain(3), sg.StaticTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])):
+        out = sg.SpeculativeGenerator(tiny_target, as_drafter(head, tiny_target), tree=tree).generate(
+            prompt, max_new_tokens=40, eos_token_id=()
+        )
+        assert out.token_ids == ref
+
+
+def test_eagle_cache_holds_only_committed_pairs_after_each_step(tiny_target):
+    from specgraft.infer.generator import Decoding
+
+    head = build_head(EagleConfig(), tiny_target).eval()
+    drafter = EagleDrafter(head, tiny_target)
+    decoding = Decoding(tiny_target, drafter, sg.StaticTree([[0], [1], [0, 0]]), torch.tensor([1, 2, 3]))
+    decoding.prefill()
+    for _ in range(6):
+        decoding.step(max_depth=3)
+        assert drafter.cache_tokens() <= len(drafter.tokens)
+        assert len(drafter.features) == len(drafter.tokens) == len(decoding.cache)
+
+
+@pytest.mark.parametrize("config", [MedusaConfig(num_heads=2), EagleConfig()], ids=lambda c: c.type)
+def test_head_checkpoint_round_trip(tiny_target, tmp_path, config):
+    head = build_head(config, tiny_target)
+    for p in head.parameters():
+        p.data.normal_()
+    save_head(head, tmp_path / "head", tiny_target, card="trained for a test")
+    assert {f.name for f in (tmp_path / "head").iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    loaded = load_head(tmp_path / "head", tiny_target)
+    for (name, a), (_, b) in zip(sorted(head.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert torch.equal(a.cpu(), b.cpu()), name
+    assert "trained for a test" in (tmp_path / "head" / "README.md").read_text()
+
+
+def test_distilled_draft_saves_a_transformers_directory(tiny_target, tmp_path):
+    head = build_head(DistillConfig(num_layers=1), tiny_target)
+    save_head(head, tmp_path / "draft", tiny_target)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "draft").config.num_hidden_layers == 1
+    assert isinstance(load_drafter(tmp_path / "draft", tiny_target), sg.DraftModel)
+
+
+def test_head_on_a_different_target_is_refused(tiny_target, tmp_path):
+    save_head(build_head(EagleConfig(), tiny_target), tmp_path / "head", tiny_target)
+    other = sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=4))
+    with pytest.raises(ValueError, match="embedding_fingerprint"):
+        load_drafter(tmp_path / "head", other)
+    wider = sg.load_target(tiny_causal_lm("llama", vocab_size=101, seed=3))
+    with pytest.raises(ValueError, match="vocab_size: head expects 97, target has 101"):
+        load_drafter(tmp_path / "head", wider)
+
+
+def test_bad_head_directories_name_the_file(tiny_target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(tmp_path / "nope", tiny_target)
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_drafter(tmp_path / "h", tiny_target)
+    save_head(build_head(MedusaConfig(), tiny_target), tmp_path / "m", tiny_target)
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw["head"]["num_heads"] = "many"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="num_heads"):
+        load_drafter(tmp_path / "m", tiny_target)
