@@ -1,5 +1,6 @@
 """Pure tree logic (torch only, never transformers): trees, masks, positions, policies."""
 
+from specgraft.tree.dynamic import DynamicTree
 from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
 from specgraft.tree.policies import Chain, StaticTree, TreeBuilder, TreePolicy, parse_tree_spec
 from specgraft.tree.tree import ROOT_PARENT, Tree
@@ -7,6 +8,7 @@ from specgraft.tree.tree import ROOT_PARENT, Tree
 __all__ = [
     "ROOT_PARENT",
     "Chain",
+    "DynamicTree",
     "StaticTree",
     "Tree",
     "TreeBuilder",

@@ -225,11 +225,20 @@ class StaticTree:
         return builder.tree()
 
 
-def parse_tree_spec(spec: str) -> Chain | StaticTree:
-    """``chain:5`` or ``static:FILE.json`` (a list of Medusa-style paths)."""
+def parse_tree_spec(spec: str) -> TreePolicy:
+    """``chain:5``, ``static:FILE.json`` (Medusa-style paths) or ``dynamic:TOP_K,DEPTH,BUDGET`` (EAGLE-2)."""
+    from specgraft.tree.dynamic import DynamicTree
+
     kind, _, arg = spec.partition(":")
     if kind == "chain" and arg.isdigit():
         return Chain(depth=int(arg))
     if kind == "static" and arg:
         return StaticTree.from_file(arg)
-    raise ValueError(f"unknown tree spec {spec!r}: expected 'chain:DEPTH' or 'static:FILE.json'")
+    if kind == "dynamic":
+        parts = arg.split(",")
+        if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
+            top_k, depth, budget = (int(p) for p in parts)
+            return DynamicTree(top_k=top_k, depth=depth, budget=budget)
+    raise ValueError(
+        f"unknown tree spec {spec!r}: expected 'chain:DEPTH', 'static:FILE.json' or 'dynamic:TOP_K,DEPTH,BUDGET'"
+    )

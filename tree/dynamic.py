@@ -1,0 +1,87 @@
+"""EAGLE-2 dynamic trees: grow where the drafter is confident, keep the best nodes overall.
+
+Each round expands the ``top_k`` frontier nodes with the highest cumulative
+draft log-probability into ``top_k`` children each; the best ``top_k`` of
+those children form the next frontier. After ``depth`` rounds, the
+``budget`` nodes with the highest cumulative log-probability over everything
+drafted become the tree. Cumulative log-probabilities never increase along a
+path, so ranking parents before children on ties keeps the tree connected.
+Children are chosen top-k (point masses when sampling), as in EAGLE-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specgraft.tree.draw import DraftSampler
+from specgraft.tree.policies import StepFn, TreeBuilder
+from specgraft.tree.tree import Tree
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree: ``top_k`` children per expanded node, ``depth`` rounds, ``budget`` draft nodes kept."""
+
+    top_k: int = 8
+    depth: int = 6
+    budget: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "depth", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DynamicTree {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def grow(
+        self,
+        step: StepFn,
+        root_token: int,
+        max_depth: int | None = None,
+        device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
+    ) -> Tree:
+        depth = self.depth if max_depth is None else min(self.depth, max_depth)
+        builder = TreeBuilder(root_token, device)
+        frontier = torch.zeros(1, dtype=torch.long, device=device)
+        for _ in range(depth):
+            logp = step(builder.tree(), frontier)  # (F, V)
+            top_logp, top_tok = logp.topk(self.top_k, dim=-1)  # (F, k)
+            scores = builder.tree().scores[frontier][:, None] + top_logp  # (F, k) cumulative
+            children = builder.add(top_tok.flatten(), frontier.repeat_interleave(self.top_k), scores.flatten())
+            best = scores.flatten().topk(min(self.top_k, children.numel())).indices
+            frontier = children[best]
+        return rerank(builder.tree(), self.budget)
+
+
+def rerank(tree: Tree, budget: int) -> Tree:
+    """The root plus the ``budget`` best draft nodes by cumulative score, parents ranked before children on ties."""
+    if tree.num_draft_tokens <= budget:
+        return tree
+    draft = torch.arange(1, tree.num_nodes, device=tree.tokens.device)
+    # Sort by score (descending), then depth (ascending): a parent is never ranked below its child.
+    order = sorted(draft.tolist(), key=lambda i: (-float(tree.scores[i]), int(tree.depth[i])))
+    keep = torch.tensor(sorted([0] + order[:budget]), device=tree.tokens.device)
+    return subtree(tree, keep)
+
+
+def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
+    """The nodes ``keep`` (sorted, root included, closed under parents) re-indexed parents-first."""
+    new_index = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=keep.device)
+    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+    parents = tree.parents[keep]
+    remapped = torch.where(parents >= 0, new_index[parents.clamp(min=0)], parents)
+    if bool((remapped[1:] < 0).any()):
+        raise ValueError("subtree: a kept node's parent was dropped")
+    return Tree(
+        tokens=tree.tokens[keep],
+        parents=remapped,
+        depth=tree.depth[keep],
+        scores=tree.scores[keep],
+        q=None if tree.q is None else tree.q[keep],
+        without_replacement=tree.without_replacement,
+    )
