@@ -13,21 +13,24 @@ from torch import nn
 
 from specgraft.heads.base import Drafter, TrainableHead, TrainBatch
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, save_head
-from specgraft.heads.configs import DistillConfig, EagleConfig, HeadConfig, MedusaConfig
+from specgraft.heads.configs import DistillConfig, Eagle3Config, EagleConfig, HeadConfig, MedusaConfig
 from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
 from specgraft.heads.eagle import EagleDrafter, EagleHead
+from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
 from specgraft.target import Target
 
 
-def build_head(config: MedusaConfig | EagleConfig | DistillConfig, target: Target) -> nn.Module:
+def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig, target: Target) -> nn.Module:
     """A fresh trainable head for ``target`` (the builder receives the frozen target; it loads nothing)."""
     if isinstance(config, MedusaConfig):
         return MedusaHeads.for_target(config, target)
     if isinstance(config, EagleConfig):
         return EagleHead(config, target)
+    if isinstance(config, Eagle3Config):
+        return Eagle3Head(config, target)
     if isinstance(config, DistillConfig):
         return DistilledDraft(config, target)
     raise TypeError(f"unknown head config {type(config).__name__}")
@@ -50,6 +53,8 @@ def as_drafter(head: nn.Module, target: Target) -> Drafter:
         return MedusaDrafter(head, target)
     if isinstance(head, EagleHead):
         return EagleDrafter(head, target)
+    if isinstance(head, Eagle3Head):
+        return Eagle3Drafter(head, target)
     if isinstance(head, DistilledDraft):
         return DraftModel(Target(head.model, target.tokenizer, "distilled draft"), target)
     raise TypeError(f"{type(head).__name__} is not a drafter")
@@ -68,6 +73,8 @@ __all__ = [
     "DistilledDraft",
     "DraftModel",
     "Drafter",
+    "Eagle3Drafter",
+    "Eagle3Head",
     "EagleDrafter",
     "EagleHead",
     "HeadConfig",

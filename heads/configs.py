@@ -37,6 +37,17 @@ class EagleConfig:
 
 
 @dataclass(config=STRICT)
+class Eagle3Config:
+    """EAGLE-3: three fused target layers, one 2H-input decoder layer, own lm_head over a draft vocabulary."""
+
+    type: Literal["eagle3"] = "eagle3"
+    aux_layers: list[int] | None = None  # HF hidden_states indices; None: 2, N // 2, N - 3 (EAGLE-3)
+    draft_vocab_size: int | None = Field(None, ge=1)  # None: the full target vocabulary
+    ttt_length: int = Field(7, ge=1)  # training-time test unroll (EAGLE-3 / SpecForge default 7)
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0)  # step j's loss weight is loss_decay ** j
+
+
+@dataclass(config=STRICT)
 class DistillConfig:
     """An independent small causal LM of the target's architecture, trained by KL to the target's distribution."""
 
@@ -49,4 +60,4 @@ class DistillConfig:
     temperature: float = Field(1.0, gt=0.0)  # of the KL targets
 
 
-HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, DistillConfig], Field(discriminator="type")]
+HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, Eagle3Config, DistillConfig], Field(discriminator="type")]

@@ -6,10 +6,10 @@
     print(gen.generate("Once upon a time", max_new_tokens=64).text)
 """
 
-from specgraft.heads import DraftModel, Drafter, PromptLookup
+from specgraft.heads import DraftModel, Drafter, PromptLookup, load_drafter
 from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
 from specgraft.target import KVCache, Target, load_target
-from specgraft.tree import Chain, StaticTree, Tree, parse_tree_spec
+from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "Chain",
     "DraftModel",
     "Drafter",
+    "DynamicTree",
     "GenerationOutput",
     "GenerationStats",
     "KVCache",
@@ -26,6 +27,7 @@ __all__ = [
     "StreamChunk",
     "Target",
     "Tree",
+    "load_drafter",
     "load_target",
     "parse_tree_spec",
 ]
