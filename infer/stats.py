@@ -78,14 +78,14 @@ class StatsRecorder:
             draft_tokens_per_token=self.draft_tokens / self.new_tokens if self.new_tokens else 0.0,
             ttft_s=ttft,
             tokens_per_s=(self.new_tokens - 1) / decode_time if decode_time > 0 else 0.0,
-            itl_p50_s=_percentile(latencies, 0.5),
-            itl_p99_s=_percentile(latencies, 0.99),
+            itl_p50_s=percentile(latencies, 0.5),
+            itl_p99_s=percentile(latencies, 0.99),
             kv_cache_tokens_peak=self.kv_peak,
             lossless=self.lossless,
         )
 
 
-def _percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: list[float], q: float) -> float:
     """Linear-interpolated percentile of a sorted list (numpy's default method)."""
     pos = q * (len(ordered) - 1)
     lo = int(pos)

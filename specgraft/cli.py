@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--temperature", type=float, default=1.0)
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check_exactness)
+
+    from specgraft.infer.bench import add_bench_arguments, bench_main
+
+    bench = sub.add_parser("bench", help="benchmark drafters and trees against baselines in one interleaved run")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=bench_main)
     return parser
 
 

@@ -1,0 +1,846 @@
+"""`specgraft bench`: every method on every prompt, interleaved, against baselines in the same run.
+
+    specgraft bench --target ../shared/models/stories260K --drafter prompt-lookup --drafter self \
+        --tree chain:5 --prompts ../shared/data/story_prompts_dev.jsonl --baselines plain,hf,hf-pld --out /tmp/bench
+
+Timings on shared machines swing 2x with other load, so methods are never
+timed in separate passes: after a warm-up, each prompt runs every method in
+turn (the order rotates from prompt to prompt so no method always goes
+first), with torch's thread count pinned. All decoding is greedy, which also
+makes the run a losslessness check: every method must produce the reference
+method's tokens (``hf`` when present, else ``plain``).
+
+One clock for speed: the wall time of the whole call for one prompt
+(prefill included), taken around our engine and HF ``generate`` alike.
+``e2e_tokens_per_s`` is the median over prompts of new tokens / that time;
+``speedup_vs`` is the ratio of those medians. The GenerationStats keys keep
+their DESIGN.md meaning (``tokens_per_s`` is decode throughput after the
+first token). For HF methods they are measured by a streamer that stamps each
+chunk ``generate`` emits (one chunk per target forward); what HF cannot tell
+us (draft tokens, KV peak) is None and listed under ``not_measured``.
+
+Writes ``results.json``, ``results.md`` and three PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from transformers.generation.streamers import BaseStreamer
+
+from specgraft.heads import DraftModel, PromptLookup, load_drafter
+from specgraft.heads.base import Drafter
+from specgraft.infer.generator import SpeculativeGenerator
+from specgraft.infer.stats import GenerationStats, percentile
+from specgraft.target import Target, load_model
+from specgraft.tree import Chain, TreePolicy, parse_tree_spec
+
+STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))
+# What a streamer can see of HF generate: chunk sizes and their times. Not draft tokens, not the KV cache.
+HF_NOT_MEASURED = ("draft_tokens_per_token", "kv_cache_tokens_peak")
+BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
+# HF prompt lookup: tokens copied per match. 10 is the value in transformers' docs and the PLD paper's repo.
+HF_PLD_NUM_TOKENS = 10
+SWEEP_KEYS = ("depth", "top_k", "budget")
+PLOTS = ("speed_vs_accepted_length.png", "accept_length_histogram.png", "acceptance_by_depth.png")
+# Neutral values for the generation_config fields that change greedy output, so a model's shipped
+# defaults (e.g. repetition_penalty=1.05 in some instruct models) cannot make HF differ from plain argmax.
+HF_GREEDY = dict(do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    text: str
+
+
+def _open_text(path: Path):
+    """Text lines of a plain or gzip file (detected by magic bytes, so a .jsonl.gz renamed still reads)."""
+    with path.open("rb") as raw:
+        gz = raw.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
+
+
+def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
+    """One JSON record of a known prompt set; the format is told by its keys."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "turns" in record:  # Spec-Bench / MT-bench: benchmark the first turn
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        return BenchPrompt(str(record.get("question_id", number)), str(record.get("category", "unknown")), turns[0])
+    for key, category, id_key in (("prompt", "humaneval", "task_id"), ("question", "gsm8k", None)):
+        if key in record:
+            text = record[key]
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{where}: {key!r} must be a non-empty string")
+            return BenchPrompt(str(record.get(id_key, number) if id_key else number), category, text)
+    raise ValueError(
+        f"{where}: unknown record format with keys {sorted(record)}; expected 'turns' (Spec-Bench / MT-bench), "
+        "'prompt' (HumanEval) or 'question' (GSM8K)"
+    )
+
+
+def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
+    """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz) or GSM8K file, or a text file.
+
+    The format comes from the records: a file whose first non-blank line is a
+    JSON object (or whose name ends in .jsonl / .jsonl.gz) is JSON lines, and
+    each record's keys say which prompt set it is; anything else is plain text,
+    one prompt per line. Categories come from the records ('turns' sets), or are
+    'humaneval', 'gsm8k' or 'text'.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: a malformed line, named as FILE:LINE.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    with _open_text(path) as f:
+        lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
+    json_lines = path.name.endswith((".jsonl", ".jsonl.gz")) or (bool(lines) and lines[0][1].lstrip().startswith("{"))
+    prompts = []
+    for number, line in lines[:limit]:
+        if not json_lines:
+            prompts.append(BenchPrompt(str(number), "text", line))
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
+        prompts.append(_record_prompt(record, f"{path}:{number}", number))
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def encode_prompt(target: Target, text: str) -> list[int]:
+    """Token ids the target sees: the user turn in its chat template when it has one, else the raw text.
+
+    Templates carry their own special tokens, so templated text is not given
+    the tokenizer's BOS a second time.
+    """
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"target {target.name!r} has no tokenizer, so text prompts cannot be encoded")
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+    return target.encode(text)
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+
+@dataclass
+class Runner:
+    """One benchmarked method: greedy ``generate(prompt_ids, max_new_tokens) -> (new token ids, stats dict)``.
+
+    ``measured`` names the stats keys the method really measures; the others are None.
+    """
+
+    name: str
+    generate: Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
+    source: str = "specgraft"
+    measured: tuple[str, ...] = STATS_KEYS
+
+
+def engine_runner(name: str, target: Target, drafter: Drafter | None, tree: TreePolicy | None) -> Runner:
+    """Our engine with a drafter (None: plain decoding, one target call per token)."""
+    gen = SpeculativeGenerator(target, drafter, tree=tree)
+
+    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        return out.token_ids, out.stats.to_dict()
+
+    return Runner(name, generate)
+
+
+class ChunkClock(BaseStreamer):
+    """A `generate` streamer that stamps each chunk of new tokens, to measure HF the way we measure ourselves.
+
+    transformers streams the prompt once, then the tokens of each target
+    forward as one chunk (one token for greedy search, accepted drafts plus
+    one for assisted decoding), so chunk sizes are tokens per target call.
+    Cost: one clock read and one append per chunk.
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.prompt_seen = False
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.sizes.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+    def stats(self, new_tokens: int) -> dict[str, Any]:
+        """GenerationStats keys by our definitions; the first chunk is HF's prefill call."""
+        if not self.sizes:
+            return {**GenerationStats(new_tokens=new_tokens).to_dict(), **dict.fromkeys(HF_NOT_MEASURED)}
+        after = self.sizes[1:]  # tokens of each target call after the prefill call
+        histogram = [0] * max(after, default=0)
+        for n in after:
+            histogram[n - 1] += 1
+        latencies: list[float] = []
+        for i, n in enumerate(after, start=1):
+            latencies.extend([(self.times[i] - self.times[i - 1]) / n] * n)
+        latencies = sorted(latencies) or [0.0]
+        decode_time = self.times[-1] - self.times[0]
+        return {
+            "new_tokens": new_tokens,
+            "target_calls": len(after),
+            "mean_accepted_length": sum(after) / len(after) if after else 0.0,
+            "accept_length_histogram": histogram,
+            "draft_tokens_per_token": None,
+            "ttft_s": self.times[0] - self.start,
+            "tokens_per_s": sum(after) / decode_time if decode_time > 0 else 0.0,
+            "itl_p50_s": percentile(latencies, 0.5),
+            "itl_p99_s": percentile(latencies, 0.99),
+            "kv_cache_tokens_peak": None,
+            "lossless": True,
+        }
+
+
+def hf_runner(name: str, target: Target, **generate_options: Any) -> Runner:
+    """transformers' ``generate`` on the target's model, greedy, timed by a `ChunkClock`."""
+    model = target.model
+    pad = model.generation_config.pad_token_id
+    if pad is None and target.eos_token_ids:
+        generate_options.setdefault("pad_token_id", target.eos_token_ids[0])  # silences HF's per-call warning
+
+    @torch.inference_mode()
+    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        input_ids = torch.tensor([ids], device=target.device)
+        clock = ChunkClock()
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            streamer=clock, **HF_GREEDY, **generate_options,
+        )
+        tokens = out[0, len(ids):].tolist()
+        return tokens, clock.stats(len(tokens))
+
+    measured = tuple(k for k in STATS_KEYS if k not in HF_NOT_MEASURED)
+    return Runner(name, generate, source="transformers", measured=measured)
+
+
+def parse_baseline(spec: str) -> tuple[str, str | None]:
+    """(kind, assistant path) of one ``--baselines`` entry; errors name the entry and the choices."""
+    kind, sep, arg = spec.strip().partition(":")
+    if kind == "hf-assisted":
+        if not arg:
+            raise ValueError(f"baseline {spec!r}: hf-assisted needs a model directory, as 'hf-assisted:PATH'")
+        if not Path(arg).expanduser().is_dir():
+            raise FileNotFoundError(f"baseline {spec!r}: assistant model directory {arg!r} does not exist")
+        return kind, arg
+    if kind in ("plain", "hf", "hf-pld") and not sep:
+        return kind, None
+    raise ValueError(f"unknown baseline {spec!r}: choose from {', '.join(BASELINE_KINDS)}")
+
+
+def baseline_runner(spec: str, target: Target) -> Runner:
+    """The runner of one baseline spec (see `parse_baseline`); the assistant model loads here."""
+    kind, path = parse_baseline(spec)
+    if kind == "plain":
+        return engine_runner("plain", target, None, None)
+    if kind == "hf":
+        return hf_runner("hf", target)
+    if kind == "hf-pld":
+        return hf_runner("hf-pld", target, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS)
+    assistant = load_model(path, dtype=target.dtype, device=target.device, role="assistant model")
+    if assistant.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"baseline {spec!r}: the assistant's vocabulary ({assistant.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); HF assisted generation is benchmarked with a shared tokenizer only"
+        )
+    return hf_runner(f"hf-assisted:{Path(path).name}", target, assistant_model=assistant.model)
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    values = list(values)
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def _weighted_mean(values: Sequence[float | None], weights: Sequence[int]) -> float | None:
+    if any(v is None for v in values):
+        return None
+    total = sum(weights)
+    return sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+
+
+def _sum_histograms(histograms: Sequence[list[int]]) -> list[int]:
+    total = [0] * max((len(h) for h in histograms), default=0)
+    for h in histograms:
+        for i, count in enumerate(h):
+            total[i] += count
+    return total
+
+
+def aggregate(runs: Sequence[GenerationStats | Mapping[str, Any]], wall_s: Sequence[float]) -> dict[str, Any]:
+    """One method's stats over prompts, each key reduced as a reader of the table would expect.
+
+    - ``new_tokens``, ``target_calls``, ``accept_length_histogram``: sums.
+    - ``mean_accepted_length``: total tokens after the first call / total target
+      calls (each prompt's tau weighted by its target calls).
+    - ``draft_tokens_per_token``: total draft tokens / total new tokens.
+    - ``ttft_s``, ``tokens_per_s``, ``itl_p50_s``, ``itl_p99_s``: medians over
+      prompts of the per-prompt values (the p99 is each prompt's own p99, not a pooled one).
+    - ``kv_cache_tokens_peak``: the largest; ``lossless``: all of them.
+    - ``wall_s``: sum of per-prompt end-to-end wall times; ``e2e_tokens_per_s``:
+      median over prompts of new tokens / wall time.
+
+    A key that any run left None (not measured) stays None.
+    """
+    stats = [r.to_dict() if isinstance(r, GenerationStats) else dict(r) for r in runs]
+    if len(stats) != len(wall_s) or not stats:
+        raise ValueError(f"aggregate needs one wall time per run and at least one run, got {len(stats)} and {len(wall_s)}")
+    col = {key: [s[key] for s in stats] for key in STATS_KEYS}
+    kv = col["kv_cache_tokens_peak"]
+    return {
+        "prompts": len(stats),
+        "new_tokens": sum(col["new_tokens"]),
+        "target_calls": sum(col["target_calls"]),
+        "mean_accepted_length": _weighted_mean(col["mean_accepted_length"], col["target_calls"]),
+        "accept_length_histogram": _sum_histograms(col["accept_length_histogram"]),
+        "draft_tokens_per_token": _weighted_mean(col["draft_tokens_per_token"], col["new_tokens"]),
+        "ttft_s": _median(col["ttft_s"]),
+        "tokens_per_s": _median(col["tokens_per_s"]),
+        "itl_p50_s": _median(col["itl_p50_s"]),
+        "itl_p99_s": _median(col["itl_p99_s"]),
+        "kv_cache_tokens_peak": None if any(v is None for v in kv) else max(kv),
+        "lossless": all(col["lossless"]),
+        "wall_s": sum(wall_s),
+        "e2e_tokens_per_s": _median(n / w if w > 0 else 0.0 for n, w in zip(col["new_tokens"], wall_s)),
+    }
+
+
+def acceptance_by_depth(histogram: Sequence[int]) -> list[float]:
+    """P(draft at depth d accepted | the step reached depth d), from an accept-length histogram.
+
+    ``histogram[i]`` counts steps that committed i + 1 tokens, i.e. accepted i
+    drafts; a step reached depth d when it accepted d - 1. The histogram does
+    not record tree depth, so a step whose tree ended before depth d (no
+    prompt-lookup match, a token budget running out) counts as a rejection there.
+    """
+    rates = []
+    for d in range(1, len(histogram)):
+        reached = sum(histogram[d - 1:])
+        rates.append(sum(histogram[d:]) / reached if reached else 0.0)
+    return rates
+
+
+def speedups(entry: Mapping[str, Any], baselines: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """Ratio of median end-to-end tokens/s to each baseline's (same prompts, same clock)."""
+    out = {}
+    for name, base in baselines.items():
+        ours, theirs = entry["e2e_tokens_per_s"], base["e2e_tokens_per_s"]
+        out[name] = ours / theirs if ours is not None and theirs else None
+    return out
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (the shorter length if one is a prefix of the other); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class PromptRun:
+    prompt: BenchPrompt
+    tokens: list[int]
+    stats: dict[str, Any]
+    wall_s: float
+
+
+MethodSpec = tuple[str, Drafter | None, TreePolicy | None] | Runner
+
+
+def _timed(runner: Runner, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any], float]:
+    start = time.perf_counter()
+    tokens, stats = runner.generate(ids, max_new_tokens)
+    return tokens, stats, time.perf_counter() - start
+
+
+def _build_runners(target: Target, methods: Sequence[MethodSpec], baselines: Sequence[str]) -> list[Runner]:
+    """Baselines first, then our methods; names must be unique since they key the report."""
+    for spec in baselines:
+        parse_baseline(spec)  # every spec checked before any assistant loads
+    runners = [baseline_runner(spec, target) for spec in baselines]
+    runners += [m if isinstance(m, Runner) else engine_runner(m[0], target, m[1], m[2]) for m in methods]
+    names = [r.name for r in runners]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"method names must be unique; repeated: {duplicates}")
+    if not runners:
+        raise ValueError("nothing to benchmark: no methods and no baselines")
+    return runners
+
+
+def _check_lengths(target: Target, prompts: Sequence[BenchPrompt], encoded: Sequence[list[int]], max_new_tokens: int) -> None:
+    for prompt, ids in zip(prompts, encoded):
+        if len(ids) + max_new_tokens > target.max_context:
+            raise ValueError(
+                f"prompt {prompt.id!r} ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+                f"context of {target.max_context}; lower --max-new-tokens or drop the prompt"
+            )
+
+
+def _run_interleaved(
+    runners: Sequence[Runner], prompts: Sequence[BenchPrompt], encoded: Sequence[list[int]],
+    max_new_tokens: int, warmup: int, progress: bool,
+) -> dict[str, list[PromptRun]]:
+    """Warm every method up, then each prompt runs every method in turn, starting one later each prompt."""
+    from tqdm import tqdm
+
+    for ids in encoded[:warmup]:
+        for runner in runners:
+            runner.generate(ids, max_new_tokens)
+    runs: dict[str, list[PromptRun]] = {r.name: [] for r in runners}
+    bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not progress)
+    for index, (prompt, ids) in enumerate(bar):
+        for k in range(len(runners)):
+            runner = runners[(index + k) % len(runners)]
+            tokens, stats, wall = _timed(runner, ids, max_new_tokens)
+            runs[runner.name].append(PromptRun(prompt, tokens, stats, wall))
+    return runs
+
+
+def _mismatches(runs: Mapping[str, list[PromptRun]], reference: str) -> list[dict[str, Any]]:
+    found = []
+    for name, method_runs in runs.items():
+        for ref, run in zip(runs[reference], method_runs):
+            index = first_difference(ref.tokens, run.tokens)
+            if name != reference and index is not None:
+                found.append({"method": name, "prompt_id": run.prompt.id, "first_diff": index, "reference": reference})
+    return found
+
+
+def _aggregate_runs(method_runs: Sequence[PromptRun]) -> dict[str, Any]:
+    return aggregate([r.stats for r in method_runs], [r.wall_s for r in method_runs])
+
+
+def _method_entry(runner: Runner, method_runs: list[PromptRun]) -> dict[str, Any]:
+    entry = {"method": runner.name, "source": runner.source, **_aggregate_runs(method_runs)}
+    entry["acceptance_by_depth"] = acceptance_by_depth(entry["accept_length_histogram"])
+    categories = sorted({r.prompt.category for r in method_runs})
+    entry["per_category"] = {c: _aggregate_runs([r for r in method_runs if r.prompt.category == c]) for c in categories}
+    entry["measured"] = list(runner.measured) + ["wall_s", "e2e_tokens_per_s"]
+    entry["not_measured"] = [k for k in STATS_KEYS if k not in runner.measured]
+    return entry
+
+
+def _add_speedups(entries: list[dict[str, Any]], baseline_names: Sequence[str]) -> None:
+    by_name = {e["method"]: e for e in entries}
+    bases = {b: by_name[b] for b in baseline_names}
+    for entry in entries:
+        entry["speedup_vs"] = speedups(entry, bases)
+        for category, agg in entry["per_category"].items():
+            agg["speedup_vs"] = speedups(agg, {b: e["per_category"][category] for b, e in bases.items()})
+
+
+def run_bench(
+    target: Target,
+    methods: Sequence[MethodSpec],
+    prompts: Sequence[BenchPrompt],
+    *,
+    max_new_tokens: int = 128,
+    baselines: Sequence[str] = ("plain", "hf"),
+    threads: int = 1,
+    warmup: int = 1,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    extra_settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Benchmark ``methods`` against ``baselines`` on ``prompts``, greedily and interleaved.
+
+    Args:
+        target: the frozen target.
+        methods: ``(name, drafter, tree)`` for our engine, or a ready `Runner`.
+        prompts: from `read_prompt_file`; encoded with `encode_prompt`.
+        baselines: ``plain``, ``hf``, ``hf-pld``, ``hf-assisted:PATH``.
+        threads: torch threads for the run (restored afterwards).
+        warmup: prompts (from the start) every method runs once, untimed, first.
+        out_dir: where results.json, results.md and the plots go (None: nowhere).
+        extra_settings: merged into ``settings`` (e.g. the prompts file).
+
+    Returns:
+        The results.json object (see the module docstring and `aggregate`).
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if threads < 1 or warmup < 0:
+        raise ValueError(f"need threads >= 1 and warmup >= 0, got threads={threads}, warmup={warmup}")
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    runners = _build_runners(target, methods, baselines)
+    names = [r.name for r in runners]
+    reference = "hf" if "hf" in names else "plain" if "plain" in names else names[0]
+    encoded = [encode_prompt(target, p.text) for p in prompts]
+    _check_lengths(target, prompts, encoded, max_new_tokens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = _run_interleaved(runners, prompts, encoded, max_new_tokens, warmup, progress)
+    finally:
+        torch.set_num_threads(before)
+    entries = [_method_entry(r, runs[r.name]) for r in runners]
+    baseline_names = names[: len(baselines)]  # runner names: hf-assisted:PATH becomes hf-assisted:DIRNAME
+    _add_speedups(entries, baseline_names)
+    mismatches = _mismatches(runs, reference)
+    results = {
+        "methods": entries,
+        "greedy_identical": not mismatches,
+        "mismatches": mismatches,
+        "settings": _settings(target, prompts, max_new_tokens, baseline_names, threads, warmup, reference, extra_settings),
+        "per_prompt": [
+            {"method": name, "prompt_id": r.prompt.id, "category": r.prompt.category, "new_tokens": len(r.tokens),
+             "wall_s": r.wall_s, "mean_accepted_length": r.stats["mean_accepted_length"]}
+            for name, method_runs in runs.items() for r in method_runs
+        ],
+    }
+    if out_dir is not None:
+        write_results(results, out_dir)
+    return results
+
+
+def _settings(
+    target: Target, prompts: Sequence[BenchPrompt], max_new_tokens: int, baselines: Sequence[str],
+    threads: int, warmup: int, reference: str, extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "target": target.name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "prompts": len(prompts),
+        "categories": sorted({p.category for p in prompts}),
+        "max_new_tokens": max_new_tokens,
+        "decoding": "greedy",
+        "baselines": list(baselines),
+        "reference": reference,
+        "threads": threads,
+        "warmup_prompts": warmup,
+        "order": "interleaved per prompt; the method order rotates by one each prompt",
+        "clock": "wall time of one whole generate call per prompt, prefill included, the same for every method",
+        "e2e_tokens_per_s": "median over prompts of new_tokens / wall time",
+        "speedup_vs": "e2e_tokens_per_s of the method / e2e_tokens_per_s of the baseline",
+        "hf_stats": "from a streamer stamping each chunk generate emits (one per target forward); "
+        "the first chunk is HF's prefill call; HF's ttft_s counts from the generate call (its setup included), "
+        "ours from the start of decoding",
+        "hf_pld_num_tokens": HF_PLD_NUM_TOKENS,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        **(extra or {}),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def results_markdown(results: Mapping[str, Any]) -> str:
+    """The table a README quotes: method, tau, end-to-end tokens/s, speedup vs each baseline."""
+    settings = results["settings"]
+    bases = settings["baselines"]
+    header = ["method", "tau", "tokens/s"] + [f"vs {b}" for b in bases]
+    lines = [
+        f"# specgraft bench: {settings['target']}",
+        "",
+        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
+        f"{settings['threads']} thread(s), {settings['device']} {settings['dtype']}. "
+        f"Greedy outputs identical to `{settings['reference']}`: "
+        + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches)."),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    for m in results["methods"]:
+        row = [m["method"], _fmt(m["mean_accepted_length"], 2), _fmt(m["e2e_tokens_per_s"], 1)]
+        row += [_fmt(m["speedup_vs"].get(b), 2) + "x" if m["speedup_vs"].get(b) is not None else "-" for b in bases]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "tau: committed tokens per target call after the first (HF methods: tokens per streamed chunk). "
+        "tokens/s: median over prompts of new tokens / wall time of the whole call, prefill included, "
+        "the same clock for every method; speedups are ratios of these medians. "
+        "Methods ran interleaved, prompt by prompt.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results(results: Mapping[str, Any], out_dir: str | Path) -> Path:
+    """results.json, results.md and the plots into ``out_dir`` (created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(results_markdown(results))
+    write_plots(results, out)
+    return out
+
+
+def write_plots(results: Mapping[str, Any], out: Path) -> list[Path]:
+    """Speed vs accepted length, accept-length histograms, and acceptance per depth, as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    from matplotlib import pyplot as plt
+
+    methods = [m for m in results["methods"] if m["mean_accepted_length"] is not None]
+    paths = [out / name for name in PLOTS]
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for m in methods:
+        ax.scatter(m["mean_accepted_length"], m["e2e_tokens_per_s"] or 0.0)
+        ax.annotate(m["method"], (m["mean_accepted_length"], m["e2e_tokens_per_s"] or 0.0), fontsize=8,
+                    xytext=(4, 4), textcoords="offset points")
+    ax.set(xlabel="mean accepted length (tau)", ylabel="tokens/s (median, end to end)", title="Speed vs accepted length")
+    _save(fig, paths[0])
+
+    fig, axes = plt.subplots(len(methods), 1, figsize=(6, 1.8 * len(methods) + 0.6), squeeze=False, sharex=True)
+    for ax, m in zip(axes[:, 0], methods):
+        hist = m["accept_length_histogram"]
+        total = sum(hist) or 1
+        ax.bar(range(1, len(hist) + 1), [h / total for h in hist])
+        ax.set_ylabel("share of steps", fontsize=8)
+        ax.set_title(m["method"], fontsize=9)
+    axes[-1, 0].set_xlabel("tokens committed per target call")
+    _save(fig, paths[1])
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for m in methods:
+        rates = m["acceptance_by_depth"]
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m["method"])
+    ax.set(xlabel="tree depth d", ylabel="P(accepted at d | reached d)", title="Acceptance per depth", ylim=(0, 1.05))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    _save(fig, paths[2])
+    return paths
+
+
+def _save(fig, path: Path) -> None:
+    from matplotlib import pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+
+
+def parse_sweep(spec: Sequence[str]) -> dict[str, list[int]]:
+    """``["depth=3,5,7", "top_k=4,8"]`` -> ``{"depth": [3, 5, 7], "top_k": [4, 8]}``, every item checked."""
+    axes: dict[str, list[int]] = {}
+    for item in spec:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SWEEP_KEYS:
+            raise ValueError(f"--sweep {item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}")
+        if key in axes:
+            raise ValueError(f"--sweep {item!r}: {key} is given twice")
+        parts = [v.strip() for v in values.split(",")]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--sweep {item!r}: values must be positive integers separated by commas")
+        axes[key] = [int(p) for p in parts]
+    return axes
+
+
+def tree_name(tree: TreePolicy) -> str:
+    """The tree's spec string where it has one (``chain:5``, ``dynamic:8,6,48``)."""
+    if isinstance(tree, Chain):
+        return f"chain:{tree.depth}"
+    if type(tree).__name__ == "DynamicTree":
+        return f"dynamic:{tree.top_k},{tree.depth},{tree.budget}"
+    return type(tree).__name__
+
+
+def expand_sweep(spec: Sequence[str], base_tree: TreePolicy) -> list[tuple[str, TreePolicy]]:
+    """Every combination of the swept values applied to ``base_tree``, as (name, tree).
+
+    ``depth`` applies to `Chain`; ``top_k``, ``depth`` and ``budget`` to
+    `DynamicTree`. A key the base tree does not have is an error naming it.
+    """
+    axes = parse_sweep(spec)
+    if not axes:
+        return [(tree_name(base_tree), base_tree)]
+    fields = {f.name for f in dataclasses.fields(base_tree)} if dataclasses.is_dataclass(base_tree) else set()
+    wrong = [k for k in axes if k not in fields]
+    if wrong:
+        has = ", ".join(sorted(fields & set(SWEEP_KEYS))) or "nothing to sweep"
+        raise ValueError(
+            f"--sweep {', '.join(wrong)} does not apply to tree {tree_name(base_tree)} ({type(base_tree).__name__} has: "
+            f"{has}); depth applies to chain:N, top_k/depth/budget to dynamic:TOP_K,DEPTH,BUDGET"
+        )
+    trees = []
+    for combo in itertools.product(*axes.values()):
+        tree = dataclasses.replace(base_tree, **dict(zip(axes, combo)))
+        trees.append((tree_name(tree), tree))
+    return trees
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``specgraft bench``."""
+    parser.add_argument("--target", required=True, help="target model directory or hub id")
+    parser.add_argument(
+        "--drafter", action="append", default=[],
+        help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
+        "directory (repeatable; each is crossed with each --tree)",
+    )
+    parser.add_argument("--tree", action="append", default=[], help="'chain:N', 'static:FILE.json' or "
+                        "'dynamic:TOP_K,DEPTH,BUDGET' (repeatable; default chain:5). prompt-lookup ignores trees")
+    parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-bench / HumanEval / GSM8K jsonl(.gz), or text")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    parser.add_argument("--baselines", default="plain,hf", help=f"comma list of {', '.join(BASELINE_KINDS)}")
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+                        help="e.g. depth=3,5,7 (chain) or top_k=4,8 budget=16,32,64 (dynamic); crossed with each --tree")
+    parser.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
+    parser.add_argument("--json", action="store_true", help="print results.json to stdout")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, pinned for the whole run")
+    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
+def _check_drafter_spec(spec: str) -> None:
+    if spec not in ("prompt-lookup", "self") and not Path(spec).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"--drafter {spec!r}: expected 'prompt-lookup', 'self', or a draft-model / head directory (not found)"
+        )
+
+
+def build_drafter(spec: str, target: Target) -> Drafter:
+    """A drafter from a --drafter value: built-ins by name, specgraft heads via `load_drafter`,
+    and any other transformers model directory as an independent draft model."""
+    _check_drafter_spec(spec)
+    if spec == "prompt-lookup":
+        return PromptLookup()
+    if spec == "self":
+        return DraftModel(target, target)
+    path = Path(spec).expanduser()
+    config = path / "config.json"
+    try:
+        plain_lm = config.is_file() and "head" not in json.loads(config.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--drafter {spec!r}: {config} is not valid JSON ({err})") from None
+    if plain_lm and not (path / "specgraft_head.json").is_file():
+        return DraftModel(path, target)  # a small LM trained elsewhere, not by specgraft
+    return load_drafter(path, target)
+
+
+def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
+    """Each drafter crossed with each tree; prompt lookup builds its own trie, so it runs once."""
+    methods: list[MethodSpec] = []
+    for spec in args.drafter:
+        drafter = build_drafter(spec, target)
+        label = spec if spec in ("prompt-lookup", "self") else Path(spec).name
+        if isinstance(drafter, PromptLookup):
+            methods.append((label, drafter, None))
+            continue
+        methods += [(f"{label} {name}", drafter, tree) for name, tree in trees]
+    return methods
+
+
+def _trees(args: argparse.Namespace) -> list[tuple[str, TreePolicy]]:
+    trees = []
+    for spec in args.tree or ["chain:5"]:
+        base = parse_tree_spec(spec)
+        trees += expand_sweep(args.sweep, base) if args.sweep else [(spec, base)]
+    return trees
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """Run ``specgraft bench``. Every flag is checked before a model loads.
+
+    Returns 0, or 1 when some method's greedy output differs from the reference
+    (the results are still written, and the mismatches listed).
+    """
+    from transformers.utils import logging as hf_logging
+
+    import specgraft as sg
+
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    for spec in baselines:
+        parse_baseline(spec)
+    for spec in args.drafter:
+        _check_drafter_spec(spec)
+    trees = _trees(args)
+    prompts = read_prompt_file(args.prompts, args.limit)
+    if not args.drafter and not baselines:
+        raise ValueError("nothing to benchmark: give --drafter or --baselines")
+
+    hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
+    torch.set_num_threads(args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    methods = _methods(args, trees, target)
+    results = run_bench(
+        target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines, threads=args.threads,
+        warmup=args.warmup, out_dir=args.out, progress=True,
+        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit},
+    )
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(results_markdown(results))
+        print(f"wrote results.json, results.md and {len(PLOTS)} plots to {args.out}", file=sys.stderr)
+    if not results["greedy_identical"]:
+        print(f"specgraft bench: {len(results['mismatches'])} greedy outputs differ from "
+              f"{results['settings']['reference']!r}; see 'mismatches' in results.json", file=sys.stderr)
+        return 1
+    return 0

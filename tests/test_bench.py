@@ -1,0 +1,424 @@
+"""`specgraft bench`: prompt-file readers, stats aggregation, the greedy cross-check, reports and flags.
+
+Runs on stories260K with two or three prompts and 16 new tokens; timings are
+never asserted, only the bookkeeping around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+
+import pytest
+import torch
+from conftest import DEV_PROMPTS, SHARED, STORIES
+
+import specgraft as sg
+from specgraft.heads import build_head, save_head
+from specgraft.heads.configs import MedusaConfig
+from specgraft.infer.bench import (
+    PLOTS,
+    STATS_KEYS,
+    BenchPrompt,
+    ChunkClock,
+    Runner,
+    acceptance_by_depth,
+    add_bench_arguments,
+    aggregate,
+    bench_main,
+    build_drafter,
+    encode_prompt,
+    engine_runner,
+    expand_sweep,
+    first_difference,
+    parse_baseline,
+    read_prompt_file,
+    run_bench,
+)
+from specgraft.tree import DynamicTree
+
+N = 16  # new tokens per run: enough for drafts to be accepted and rejected
+PROMPTS = [
+    BenchPrompt("0", "story", "Once upon a time, there was a little dog named"),
+    BenchPrompt("1", "story", "Tom had a red ball. He liked to"),
+]
+
+
+def _write_jsonl(path, records, *, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ prompt files
+
+
+def test_reads_spec_bench_and_mt_bench_first_turns(tmp_path):
+    path = _write_jsonl(tmp_path / "q.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2+2?"]},
+    ])
+    assert read_prompt_file(path) == [
+        BenchPrompt("81", "writing", "Write a poem."),
+        BenchPrompt("82", "math", "What is 2+2?"),
+    ]
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["jsonl", "jsonl.gz"])
+def test_reads_humaneval(tmp_path, gz):
+    name = "HumanEval.jsonl.gz" if gz else "HumanEval.jsonl"
+    path = _write_jsonl(tmp_path / name, [
+        {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "entry_point": "add"},
+        {"task_id": "HumanEval/1", "prompt": "def sub(a, b):\n", "entry_point": "sub"},
+    ], gz=gz)
+    assert read_prompt_file(path) == [
+        BenchPrompt("HumanEval/0", "humaneval", "def add(a, b):\n"),
+        BenchPrompt("HumanEval/1", "humaneval", "def sub(a, b):\n"),
+    ]
+
+
+def test_reads_gsm8k_with_line_numbers_as_ids(tmp_path):
+    path = _write_jsonl(tmp_path / "gsm8k.jsonl", [
+        {"question": "Janet has 3 ducks.", "answer": "#### 3"},
+        {"question": "A robe takes 2 bolts.", "answer": "#### 3"},
+    ])
+    assert read_prompt_file(path) == [
+        BenchPrompt("1", "gsm8k", "Janet has 3 ducks."),
+        BenchPrompt("2", "gsm8k", "A robe takes 2 bolts."),
+    ]
+
+
+def test_reads_plain_text_one_prompt_per_line_skipping_blank_lines(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Once upon a time\n\n  \nThe cat sat\n")
+    assert read_prompt_file(path) == [BenchPrompt("1", "text", "Once upon a time"), BenchPrompt("4", "text", "The cat sat")]
+
+
+def test_json_lines_are_detected_from_the_records_whatever_the_suffix(tmp_path):
+    path = _write_jsonl(tmp_path / "questions.txt", [{"question": "Why?"}])
+    assert read_prompt_file(path) == [BenchPrompt("1", "gsm8k", "Why?")]
+
+
+def test_limit_keeps_the_first_prompts(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a\nb\nc\n")
+    assert [p.text for p in read_prompt_file(path, limit=2)] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"turns": ["ok"', "not valid JSON"),
+        ('{"text": "no known key"}', "unknown record format"),
+        ('{"turns": []}', "non-empty list"),
+        ('{"prompt": 3}', "non-empty string"),
+        ('["a list"]', "expected a JSON object"),
+    ],
+)
+def test_malformed_line_is_named_by_file_and_line_number(tmp_path, bad_line, message):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"turns": ["fine"]}\n\n' + bad_line + "\n")
+    with pytest.raises(ValueError, match=rf"q\.jsonl:3: .*{message}"):
+        read_prompt_file(path)
+
+
+def test_missing_prompts_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_prompt_file(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"../shared assets are absent ({SHARED} not found)")
+@pytest.mark.parametrize(
+    "name, count, categories",
+    [
+        ("spec_bench_question.jsonl", 480, 13),  # 8 MT-bench categories + 5 Spec-Bench tasks
+        ("mt_bench_question.jsonl", 80, 8),
+        ("HumanEval.jsonl.gz", 164, 1),
+        ("gsm8k_test.jsonl", 1319, 1),
+        ("story_prompts_dev.jsonl", 40, 1),
+    ],
+)
+def test_real_prompt_sets_read_in_their_original_formats(name, count, categories):
+    prompts = read_prompt_file(SHARED / "data" / name)
+    assert count is None or len(prompts) == count
+    assert len({p.category for p in prompts}) == categories
+    assert all(p.text for p in prompts)
+
+
+def test_chat_template_wraps_the_prompt_when_the_tokenizer_has_one(stories):
+    plain = encode_prompt(stories, "Tom had a red ball.")
+    assert plain == stories.encode("Tom had a red ball.")  # stories260K has no template: raw text
+    tokenizer = copy.deepcopy(stories.tokenizer)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}Story:{% endif %}"
+    )
+    templated = encode_prompt(sg.Target(stories.model, tokenizer, "templated"), "Tom had a red ball.")
+    assert templated[0] == tokenizer.bos_token_id and templated[1] != tokenizer.bos_token_id  # BOS once
+    assert stories.decode(templated) == "User: Tom had a red ball.\nStory:"
+
+
+# ------------------------------------------------------------------------------------------ aggregation
+
+
+def test_aggregate_reduces_each_key_as_documented():
+    runs = [
+        sg.GenerationStats(new_tokens=9, target_calls=4, mean_accepted_length=2.0, accept_length_histogram=[1, 2, 1],
+                           draft_tokens_per_token=1.0, ttft_s=0.1, tokens_per_s=100.0, itl_p50_s=0.01, itl_p99_s=0.03,
+                           kv_cache_tokens_peak=20),
+        sg.GenerationStats(new_tokens=5, target_calls=4, mean_accepted_length=1.0, accept_length_histogram=[4],
+                           draft_tokens_per_token=2.0, ttft_s=0.3, tokens_per_s=50.0, itl_p50_s=0.02, itl_p99_s=0.05,
+                           kv_cache_tokens_peak=30),
+        sg.GenerationStats(new_tokens=4, target_calls=1, mean_accepted_length=3.0, accept_length_histogram=[0, 0, 1],
+                           draft_tokens_per_token=0.5, ttft_s=0.2, tokens_per_s=80.0, itl_p50_s=0.04, itl_p99_s=0.04,
+                           kv_cache_tokens_peak=10, lossless=False),
+    ]
+    agg = aggregate(runs, wall_s=[0.5, 1.0, 0.1])
+    assert agg["prompts"] == 3
+    assert agg["new_tokens"] == 18
+    assert agg["target_calls"] == 9
+    assert agg["mean_accepted_length"] == pytest.approx((8 + 4 + 3) / 9)  # tokens after the first / calls
+    assert agg["accept_length_histogram"] == [5, 2, 2]
+    assert agg["draft_tokens_per_token"] == pytest.approx((9 + 10 + 2) / 18)  # draft tokens / new tokens
+    assert agg["ttft_s"] == pytest.approx(0.2)
+    assert agg["tokens_per_s"] == pytest.approx(80.0)
+    assert agg["itl_p50_s"] == pytest.approx(0.02)
+    assert agg["itl_p99_s"] == pytest.approx(0.04)
+    assert agg["kv_cache_tokens_peak"] == 30
+    assert agg["lossless"] is False
+    assert agg["wall_s"] == pytest.approx(1.6)
+    assert agg["e2e_tokens_per_s"] == pytest.approx(18.0)  # median of 18, 5 and 40 tokens/s
+
+
+def test_aggregate_keeps_unmeasured_keys_none():
+    stats = {**sg.GenerationStats(new_tokens=3, target_calls=2, mean_accepted_length=1.0).to_dict(),
+             "draft_tokens_per_token": None, "kv_cache_tokens_peak": None}
+    agg = aggregate([stats, stats], wall_s=[1.0, 1.0])
+    assert agg["draft_tokens_per_token"] is None and agg["kv_cache_tokens_peak"] is None
+    assert agg["new_tokens"] == 6
+
+
+def test_acceptance_by_depth_is_conditional_on_reaching_the_depth():
+    # 1 step accepted nothing, 3 accepted one draft, 4 accepted two.
+    assert acceptance_by_depth([1, 3, 4]) == pytest.approx([7 / 8, 4 / 7])
+    assert acceptance_by_depth([5]) == []
+
+
+def test_chunk_clock_measures_hf_like_our_recorder():
+    clock = ChunkClock()
+    clock.start = 0.5
+    clock.put(torch.tensor([[1, 2, 3]]))  # the prompt: not a generated chunk
+    for size in (2, 3, 1, 2):
+        clock.put(torch.zeros(1, size))
+    clock.times = [1.0, 1.5, 2.0, 2.5]
+    stats = clock.stats(new_tokens=8)
+    assert clock.sizes == [2, 3, 1, 2]
+    assert stats["ttft_s"] == pytest.approx(0.5)
+    assert stats["target_calls"] == 3  # the first chunk is HF's prefill call
+    assert stats["mean_accepted_length"] == pytest.approx(2.0)
+    assert stats["accept_length_histogram"] == [1, 1, 1]
+    assert stats["tokens_per_s"] == pytest.approx(6 / 1.5)
+    assert stats["itl_p50_s"] == pytest.approx((0.5 / 3 + 0.25) / 2)  # 3 tokens at 1/6 s, 1 at 0.5, 2 at 0.25
+    assert stats["draft_tokens_per_token"] is None and stats["kv_cache_tokens_peak"] is None
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+def _flipped(runner: Runner, at: int) -> Runner:
+    """A deliberately wrong method: the wrapped runner's output with one token changed."""
+
+    def generate(ids, max_new_tokens):
+        tokens, stats = runner.generate(ids, max_new_tokens)
+        tokens[at] = (tokens[at] + 1) % 512
+        return tokens, stats
+
+    return Runner("wrong", generate)
+
+
+def test_a_method_whose_greedy_output_differs_is_reported(stories):
+    wrong = _flipped(engine_runner("inner", stories, None, None), at=5)
+    results = run_bench(stories, [wrong], PROMPTS, max_new_tokens=N, baselines=("plain", "hf"), warmup=0, progress=False)
+    assert results["greedy_identical"] is False
+    assert results["mismatches"] == [
+        {"method": "wrong", "prompt_id": "0", "first_diff": 5, "reference": "hf"},
+        {"method": "wrong", "prompt_id": "1", "first_diff": 5, "reference": "hf"},
+    ]
+
+
+def test_report_files_and_keys(stories, tmp_path):
+    methods = [("prompt-lookup", sg.PromptLookup(), None), ("self chain:3", sg.DraftModel(stories, stories), sg.Chain(3))]
+    results = run_bench(stories, methods, PROMPTS, max_new_tokens=N, baselines=("plain", "hf", "hf-pld"),
+                        warmup=1, out_dir=tmp_path, progress=False)
+    assert results["greedy_identical"] is True and results["mismatches"] == []
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(results))
+    assert set(on_disk) >= {"methods", "greedy_identical", "mismatches", "settings"}
+    assert [m["method"] for m in on_disk["methods"]] == ["plain", "hf", "hf-pld", "prompt-lookup", "self chain:3"]
+    by_name = {m["method"]: m for m in on_disk["methods"]}
+    for m in on_disk["methods"]:
+        assert set(STATS_KEYS) <= set(m)
+        assert set(m["speedup_vs"]) == {"plain", "hf", "hf-pld"}
+        assert m["speedup_vs"]["plain"] == pytest.approx(m["e2e_tokens_per_s"] / by_name["plain"]["e2e_tokens_per_s"])
+        assert set(m["per_category"]) == {"story"}
+        assert set(m["per_category"]["story"]["speedup_vs"]) == {"plain", "hf", "hf-pld"}
+        assert m["new_tokens"] == 2 * N
+    hf = by_name["hf"]
+    assert hf["source"] == "transformers" and hf["not_measured"] == ["draft_tokens_per_token", "kv_cache_tokens_peak"]
+    assert hf["draft_tokens_per_token"] is None
+    assert hf["target_calls"] == 2 * (N - 1) and hf["mean_accepted_length"] == 1.0  # one chunk per greedy step
+    assert by_name["self chain:3"]["mean_accepted_length"] > 1.5  # the target drafting for itself is accepted
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| method | tau | tokens/s | vs plain | vs hf | vs hf-pld |" in markdown
+    assert all(f"| {name} |" in markdown for name in by_name)
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hf_assisted_baseline_loads_its_assistant_from_a_directory(stories):
+    results = run_bench(stories, [], PROMPTS, max_new_tokens=N, baselines=("hf", f"hf-assisted:{STORIES}"),
+                        warmup=0, progress=False)
+    assert results["greedy_identical"] is True
+    assisted = results["methods"][1]
+    assert assisted["method"] == "hf-assisted:stories260K"
+    assert assisted["mean_accepted_length"] > 2.0  # the target assisting itself: most drafts are accepted
+    assert results["settings"]["baselines"] == ["hf", "hf-assisted:stories260K"]
+
+
+def test_methods_run_interleaved_after_warmup_with_rotating_order(stories):
+    calls = []
+
+    def fake(name):
+        return Runner(name, lambda ids, n: (calls.append((name, tuple(ids))) or [7] * n, sg.GenerationStats(new_tokens=n).to_dict()))
+
+    prompts = PROMPTS + [BenchPrompt("2", "story", "There was a big tree.")]
+    run_bench(stories, [fake("a"), fake("b"), fake("c")], prompts, max_new_tokens=2, baselines=(), warmup=1, progress=False)
+    warm, timed = calls[:3], calls[3:]
+    assert {name for name, _ in warm} == {"a", "b", "c"}
+    first_per_prompt = [timed[i * 3][0] for i in range(3)]
+    assert first_per_prompt == ["a", "b", "c"]
+    assert all(len({ids for _, ids in timed[i * 3:(i + 1) * 3]}) == 1 for i in range(3))  # one prompt at a time
+
+
+def test_hf_baseline_ignores_the_models_shipped_repetition_penalty():
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+    target = sg.load_target(STORIES)
+    target.model.generation_config.repetition_penalty = 1.5
+    results = run_bench(target, [], PROMPTS[:1], max_new_tokens=N, baselines=("plain", "hf"), warmup=0, progress=False)
+    assert results["greedy_identical"] is True
+
+
+def test_threads_are_restored_after_the_run(stories):
+    before = torch.get_num_threads()
+    run_bench(stories, [], PROMPTS[:1], max_new_tokens=2, baselines=("plain",), threads=2, warmup=0, progress=False)
+    assert torch.get_num_threads() == before
+
+
+# ------------------------------------------------------------------------------------------ sweeps
+
+
+def test_sweep_over_chain_depths():
+    assert [name for name, _ in expand_sweep(["depth=3,5,7"], sg.Chain(5))] == ["chain:3", "chain:5", "chain:7"]
+
+
+def test_sweep_over_dynamic_tree_is_the_cartesian_product():
+    trees = expand_sweep(["top_k=4,8", "budget=16,32"], DynamicTree(top_k=8, depth=6, budget=48))
+    assert [name for name, _ in trees] == ["dynamic:4,6,16", "dynamic:4,6,32", "dynamic:8,6,16", "dynamic:8,6,32"]
+    assert trees[1][1] == DynamicTree(top_k=4, depth=6, budget=32)
+
+
+@pytest.mark.parametrize(
+    "spec, tree, message",
+    [
+        (["top_k=4,8"], sg.Chain(5), r"top_k does not apply to tree chain:5 \(Chain has: depth\)"),
+        (["width=2"], sg.Chain(5), "KEY one of depth, top_k, budget"),
+        (["depth=3,x"], sg.Chain(5), "positive integers"),
+        (["depth=0"], sg.Chain(5), "positive integers"),
+        (["depth=3", "depth=4"], sg.Chain(5), "given twice"),
+        (["depth=3"], sg.StaticTree([[0], [0, 0]]), "StaticTree has: nothing to sweep"),
+    ],
+)
+def test_bad_sweeps_name_the_item(spec, tree, message):
+    with pytest.raises(ValueError, match=message):
+        expand_sweep(spec, tree)
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return add_bench_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    return _write_jsonl(tmp_path / "p.jsonl", [{"question_id": p.id, "category": p.category, "turns": [p.text]} for p in PROMPTS])
+
+
+def test_json_flag_prints_results_json(stories, prompts_file, tmp_path, capsys):
+    args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--drafter", "self", "--sweep", "depth=2,3",
+                 "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--baselines", "plain",
+                 "--out", str(tmp_path / "out"), "--json")
+    assert bench_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [m["method"] for m in printed["methods"]] == ["plain", "prompt-lookup", "self chain:2", "self chain:3"]
+    assert printed["settings"]["prompts_file"] == str(prompts_file)
+    assert printed == json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "flags, error, message",
+    [
+        (["--baselines", "plain,hf-foo"], ValueError, "unknown baseline 'hf-foo': choose from plain, hf, hf-pld"),
+        (["--baselines", "hf-assisted"], ValueError, "hf-assisted needs a model directory"),
+        (["--baselines", "hf-assisted:/no/such/dir"], FileNotFoundError, "/no/such/dir"),
+        (["--drafter", "/no/such/head"], FileNotFoundError, "--drafter '/no/such/head'"),
+        (["--sweep", "budget=8"], ValueError, "budget does not apply to tree chain:5"),
+        (["--tree", "spiral:3"], ValueError, "unknown tree spec 'spiral:3'"),
+        (["--max-new-tokens", "0"], ValueError, "--max-new-tokens must be >= 1"),
+    ],
+)
+def test_bad_arguments_fail_before_any_model_loads(prompts_file, tmp_path, flags, error, message):
+    # The target does not exist: each error must come from checking the flag, not from loading.
+    args = _args("--target", str(tmp_path / "no-target"), "--prompts", str(prompts_file), "--out", str(tmp_path), *flags)
+    with pytest.raises(error, match=message):
+        bench_main(args)
+
+
+def test_missing_prompts_file_is_a_clear_error(tmp_path):
+    args = _args("--target", str(tmp_path / "no-target"), "--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"--prompts '.*missing\.jsonl' does not exist"):
+        bench_main(args)
+
+
+def test_parse_baseline_accepts_the_documented_kinds(tmp_path):
+    assert parse_baseline("hf-pld") == ("hf-pld", None)
+    assert parse_baseline(f"hf-assisted:{tmp_path}") == ("hf-assisted", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown baseline 'plain:x'"):
+        parse_baseline("plain:x")
+
+
+def test_drafter_directories_load_as_heads_or_draft_models(stories, tmp_path):
+    save_head(build_head(MedusaConfig(num_heads=2), stories), tmp_path / "medusa", stories)
+    assert type(build_drafter(str(tmp_path / "medusa"), stories)).__name__ == "MedusaDrafter"
+    assert isinstance(build_drafter(str(STORIES), stories), sg.DraftModel)  # a plain transformers model directory
+
+
+def test_dev_prompt_file_is_the_spec_bench_format():
+    if not DEV_PROMPTS.is_file():
+        pytest.skip(f"../shared assets are absent ({DEV_PROMPTS} not found)")
+    prompts = read_prompt_file(DEV_PROMPTS, limit=3)
+    assert [p.id for p in prompts] == ["0", "1", "2"] and prompts[0].text.startswith("Once upon a time")
