@@ -92,6 +92,25 @@ def cmd_check_exactness(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from specgraft.config import load_config
+    from specgraft.train.pipeline import run_training
+
+    cfg = load_config(args.config, args.overrides)  # every config error surfaces before a model loads
+    head_dir = run_training(cfg)
+    print(f"head written to {head_dir}")
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from specgraft.config import load_config
+    from specgraft.train.pipeline import run_regeneration
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"self-distilled data in {run_regeneration(cfg)}")
+    return 0
+
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory or hub id")
     p.add_argument("--drafter", default="prompt-lookup", help="'none', 'prompt-lookup', 'self', or a draft model directory")
@@ -128,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--temperature", type=float, default=1.0)
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check_exactness)
+
+    for name, func, text in (
+        ("train", cmd_train, "train a draft head (one process; use deepspeed --module specgraft.train for many)"),
+        ("regenerate", cmd_regenerate, "self-distillation only: the target writes the config's training data"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("config", help="YAML training config (see recipes/)")
+        cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
+        cmd.set_defaults(func=func)
 
     from specgraft.infer.bench import add_bench_arguments, bench_main
 

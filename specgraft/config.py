@@ -1,0 +1,375 @@
+"""The training config: typed YAML, validated before any model loads.
+
+A config has the sections ``target``, ``head``, ``data``, ``training``,
+``tracking`` and ``eval``, plus the scalar ``tree`` (the tree used when
+evaluating mean accepted length). Every section forbids unknown keys, so a
+typo is an error naming the file, the line and the dotted key, not a
+silently ignored setting.
+
+Paths: a relative path, whether written in the YAML file or given as an
+override, resolves against the current working directory, like any other
+command-line path (and like torchtune's configs). Recipes therefore say
+which directory they run from. After loading, every local path in the
+config is absolute, so nothing later depends on the working directory.
+
+Overrides are ``section.key=value`` strings (``training.lr=1e-3``,
+``data.regenerate.seed=3``, ``tree=chain:3``); the value is parsed as a YAML
+scalar or flow collection (``training.betas=[0.9,0.95]``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specgraft.heads.configs import HeadConfig
+
+# A data source with one of these endings is a local file, not a hub dataset name.
+LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".gz", ".parquet", ".csv", ".arrow")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file, the key and the value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetSection(_Section):
+    """The frozen target LLM."""
+
+    path: str  # local directory or hub id
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"  # ignored when CUDA is available: each rank uses cuda:LOCAL_RANK
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"  # flash_attention_2 takes no tree mask
+
+
+class RegenerateSection(_Section):
+    """Self-distillation: answer the prompts with the target itself and train on its own outputs."""
+
+    output: str  # JSONL written by regeneration; training reads it (re-used if it already exists)
+    num_from_bos: int = Field(0, ge=0)  # extra sequences sampled from BOS alone (no prompt)
+    prompts: str | None = None  # prompts file; None: the user turns of data.train
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # 1.0 samples the target's own distribution; 0 is greedy
+    batch_size: int = Field(16, ge=1)
+    seed: int = 0
+
+
+class DataSection(_Section):
+    """Training conversations: a local file or a hub dataset name."""
+
+    train: str | None = None  # required unless data.regenerate says where prompts come from
+    format: Literal["auto", "sharegpt", "openai", "text"] = "auto"
+    max_length: int = Field(2048, ge=2)  # tokens per sequence after the chat template; longer ones are cut
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # held out for per-depth accuracy, never trained on
+    on_error: Literal["raise", "skip"] = "raise"  # a malformed record stops loading, or is skipped and counted
+    regenerate: RegenerateSection | None = None
+
+
+class TrainingSection(_Section):
+    """The optimisation loop. Steps count optimizer steps (one per accumulation window)."""
+
+    output_dir: str = "runs/specgraft"
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)  # cap on optimizer steps; the schedule spans the capped length
+    micro_batch_size: int = Field(8, ge=1)  # sequences per rank per forward
+    gradient_accumulation_steps: int = Field(1, ge=1)  # global batch = micro * accumulation * world size
+    lr: float = Field(1e-3, gt=0.0)  # stories260K heads converged faster at 3e-3 than 1e-3; 7B EAGLE uses 3e-5..1e-4
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.03, ge=0.0, lt=1.0)  # linear warmup over this fraction of all steps
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay to 0 after warmup (constant: no decay)
+    grad_clip: float = Field(1.0, ge=0.0)  # max global gradient norm; 0 disables clipping
+    precision: Literal["fp32", "bf16"] = "fp32"  # of the head; the target keeps target.dtype
+    zero_stage: Literal[0, 1, 2] = 0  # 1 shards optimizer states, 2 also gradients; heads are small, 0 is usually right
+    deepspeed_config: str | None = None  # a DeepSpeed JSON whose values override the generated ones
+    seed: int = 0  # of the head's init, the data order and the training noise
+    save_every: int = Field(500, ge=0)  # optimizer steps between resumable checkpoints; 0: only the final export
+    eval_every: int = Field(0, ge=0)  # optimizer steps between evaluations; 0: evaluate only at the end
+    log_every: int = Field(10, ge=1)
+    # auto: the latest complete checkpoint in output_dir, if any; never: start over (deletes
+    # output_dir/checkpoints); or a checkpoint directory (output_dir/checkpoints/step_N).
+    resume: str = "auto"
+    num_threads: int | None = Field(None, ge=1)  # torch CPU threads; 1 is much faster for tiny models
+    # online: the target runs on every batch. offline: once per example, kept in CPU memory for later
+    # epochs (much faster for small targets over many epochs; large targets' features do not fit).
+    features: Literal["online", "offline"] = "online"
+
+
+class TrackingSection(_Section):
+    """Experiment tracking. The default needs no account: nothing is sent anywhere."""
+
+    wandb: Literal["disabled", "offline", "online"] = "disabled"  # offline writes runs to dir for `wandb sync`
+    project: str = "specgraft"
+    run_name: str | None = None
+    dir: str | None = None  # None: training.output_dir
+
+
+class EvalSection(_Section):
+    """Speculative decoding with the head being trained, measuring mean accepted length (tau)."""
+
+    prompts: str | None = None  # JSONL of prompts (Spec-Bench / MT-Bench style); None: no tau evaluation
+    num_prompts: int = Field(40, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+
+
+class TrainConfig(_Section):
+    """One training run, as read from YAML."""
+
+    target: TargetSection
+    head: HeadConfig
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    tree: str = "chain:5"  # chain:DEPTH or static:FILE.json, for the tau evaluation
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _compatible(self) -> "TrainConfig":
+        # Combinations that cannot run; each message names both keys.
+        if self.data.train is None and self.data.regenerate is None:
+            raise ValueError("data.train is required (a file or hub dataset), unless data.regenerate is set")
+        regen = self.data.regenerate
+        if regen is not None and self.data.train is None and regen.prompts is None and regen.num_from_bos == 0:
+            raise ValueError(
+                "data.regenerate has nothing to answer: set data.regenerate.prompts, data.train, "
+                "or data.regenerate.num_from_bos > 0"
+            )
+        if self.training.eval_every > 0 and self.eval.prompts is None and self.data.eval_fraction == 0:
+            raise ValueError(
+                f"training.eval_every={self.training.eval_every} needs something to evaluate on: "
+                "set eval.prompts or data.eval_fraction > 0 (or training.eval_every=0)"
+            )
+        if not re.fullmatch(r"chain:[1-9]\d*|static:.+", self.tree):
+            raise ValueError(f"tree={self.tree!r}: expected 'chain:DEPTH' (DEPTH >= 1) or 'static:FILE.json'")
+        return self
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config, apply ``section.key=value`` overrides, validate, and check local files exist.
+
+    Raises:
+        FileNotFoundError: the config file, or a local data / prompts / checkpoint file it names, is missing.
+        ConfigError: invalid YAML, a malformed override, an unknown key, a wrong type, or
+            incompatible options; the message names the file, the dotted key and the value.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (target, head, data, ...), got {type(raw).__name__}")
+    overridden: dict[tuple[str, ...], str] = {}
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _set_dotted(raw, keys, value, item)
+        overridden[keys] = item
+    try:
+        cfg = TrainConfig.model_validate(raw)
+    except ValidationError as err:
+        head = raw.get("head")
+        head_type = head.get("type") if isinstance(head, dict) else None
+        raise ConfigError(_describe(err, path, text, overridden, head_type)) from None
+    _check_files(cfg, path)
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
+    """``a.b=value`` -> (("a", "b"), parsed value)."""
+    key, sep, value = item.partition("=")
+    keys = tuple(key.strip().split("."))
+    if not sep or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) for k in keys):
+        raise ConfigError(f"override {item!r} is malformed: expected section.key=value, e.g. training.lr=1e-3")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({err})") from None
+    return keys, parsed
+
+
+def _set_dotted(raw: dict, keys: tuple[str, ...], value: Any, item: str) -> None:
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"override {item!r}: {where} is {child!r}, not a section with keys")
+        node = child
+    node[keys[-1]] = value
+
+
+def _describe(
+    err: ValidationError, path: Path, text: str, overridden: dict[tuple[str, ...], str], head_type: str | None
+) -> str:
+    """One line per problem: file:line, dotted key, what is wrong, the value, and the override that set it."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        root = None
+    lines = []
+    for e in err.errors():
+        loc = [str(part) for part in e["loc"]]
+        if len(loc) >= 2 and loc[0] == "head" and loc[1] == head_type:
+            del loc[1]  # a discriminated union puts the tag in the location (head.medusa.num_heads)
+        key = ".".join(loc) or "(top level)"
+        if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            problem = "unknown key"
+        elif e["type"] == "missing":
+            problem = "required key is missing"
+        else:
+            problem = f"{e['msg']} (got {e['input']!r})"
+        source = next((f" (set by override {item!r})" for keys, item in overridden.items() if ".".join(keys) == key), "")
+        line = _line_of(root, loc)
+        where = f"{path}:{line}" if line and not source else str(path)
+        lines.append(f"{where}: {key}: {problem}{source}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _line_of(root: yaml.Node | None, loc: list[str]) -> int | None:
+    """1-based line of the deepest key of ``loc`` present in the YAML node tree."""
+    line, node = None, root
+    for key in loc:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None)
+        if match is None:
+            break
+        line, node = match[0].start_mark.line + 1, match[1]
+    return line
+
+
+def _absolute(value: str) -> str:
+    return str(Path(value).expanduser().resolve())
+
+
+def _is_local_data(source: str) -> bool:
+    """A file path rather than a hub dataset name (``org/name``)."""
+    return (
+        source.startswith((".", "/", "~"))
+        or source.lower().endswith(LOCAL_DATA_SUFFIXES)
+        or source.count("/") > 1
+        or Path(source).exists()
+    )
+
+
+def _check_files(cfg: TrainConfig, config_path: Path) -> None:
+    """Make local paths absolute and require the ones read at start-up to exist, naming key and file."""
+
+    def must_exist(key: str, value: str, kind: str = "file") -> str:
+        resolved = Path(value).expanduser().resolve()
+        ok = resolved.is_dir() if kind == "directory" else resolved.exists()
+        if not ok:
+            raise FileNotFoundError(
+                f"{config_path}: {key}={value!r}: {kind} {resolved} does not exist "
+                "(relative paths resolve against the working directory)"
+            )
+        return str(resolved)
+
+    target = cfg.target.path
+    if target.startswith((".", "/", "~")) or target.count("/") > 1 or Path(target).exists():
+        cfg.target.path = must_exist("target.path", target, "directory")
+    if cfg.data.train is not None and _is_local_data(cfg.data.train):
+        cfg.data.train = must_exist("data.train", cfg.data.train)
+    regen = cfg.data.regenerate
+    if regen is not None:
+        if regen.prompts is not None:
+            regen.prompts = must_exist("data.regenerate.prompts", regen.prompts)
+        regen.output = _absolute(regen.output)
+    if cfg.eval.prompts is not None:
+        cfg.eval.prompts = must_exist("eval.prompts", cfg.eval.prompts)
+    if cfg.tree.startswith("static:"):
+        cfg.tree = "static:" + must_exist("tree", cfg.tree.partition(":")[2])
+    training = cfg.training
+    training.output_dir = _absolute(training.output_dir)
+    if training.deepspeed_config is not None:
+        training.deepspeed_config = must_exist("training.deepspeed_config", training.deepspeed_config)
+        _read_json(training.deepspeed_config, "training.deepspeed_config")
+    if training.resume not in ("auto", "never"):
+        training.resume = must_exist("training.resume", training.resume, "directory")
+    if cfg.tracking.dir is not None:
+        cfg.tracking.dir = _absolute(cfg.tracking.dir)
+
+
+def _read_json(path: str, key: str) -> dict:
+    try:
+        value = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{key}: {path}:{err.lineno} is not valid JSON: {err.msg}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: {path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------------------- DeepSpeed
+
+
+def to_deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg``, with ``training.deepspeed_config``'s values merged over it.
+
+    The learning-rate schedule (warmup, then cosine / linear / no decay) is
+    the trainer's own LambdaLR handed to ``deepspeed.initialize``, so it is
+    not in this dict; a ``scheduler`` section in the user's JSON replaces it.
+    ``train_batch_size`` is micro x accumulation x ``world_size`` after the
+    merge (unless the JSON sets it too), so overriding only the micro batch
+    stays consistent.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: expected >= 1")
+    t = cfg.training
+    generated: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": list(t.betas),
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                "torch_adam": True,  # torch's AdamW: no fused-op build, runs on CPU and GPU alike
+            },
+        },
+        "steps_per_print": 2**31 - 1,  # the trainer logs; DeepSpeed's own step prints would interleave with tqdm
+        "wall_clock_breakdown": False,
+    }
+    user = _read_json(t.deepspeed_config, "training.deepspeed_config") if t.deepspeed_config else {}
+    _merge(generated, user)
+    if "train_batch_size" not in user:
+        generated["train_batch_size"] = (
+            generated["train_micro_batch_size_per_gpu"] * generated["gradient_accumulation_steps"] * world_size
+        )
+    return generated
+
+
+def _merge(base: dict, update: dict) -> None:
+    """Recursive dict update: nested sections merge key by key, other values replace."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The validated config as YAML (for the model card and the run directory)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

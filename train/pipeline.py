@@ -1,0 +1,129 @@
+"""From a validated config to a trained head: the wiring shared by `python -m specgraft.train` and `specgraft train`.
+
+Order: process group (so each rank knows its device), target, optional
+self-distillation (rank 0 writes, the others wait), records, tokenization,
+train/held-out split, head, evaluator, `Trainer`.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from specgraft.config import TrainConfig
+from specgraft.target import Target, load_target
+from specgraft.train.trainer import Trainer, init_distributed, shutdown_distributed
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: TrainConfig) -> Path:
+    """Train the head ``cfg`` describes and return its exported directory (``output_dir/head``)."""
+    from specgraft.heads import build_head
+    from specgraft.train import data as data_lib
+
+    if cfg.training.num_threads:
+        torch.set_num_threads(cfg.training.num_threads)
+    env = init_distributed()
+    try:
+        device = env.device if env.device.type == "cuda" else cfg.target.device
+        target = load_target(
+            cfg.target.path, dtype=cfg.target.dtype, device=device, attn_implementation=cfg.target.attn_implementation
+        )
+        if target.tokenizer is None:
+            raise ValueError(f"target.path={cfg.target.path!r} has no tokenizer; training data is text")
+        source = _regenerate(cfg, target, env.is_main) if cfg.data.regenerate is not None else cfg.data.train
+        records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
+        dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
+        train, heldout = data_lib.train_eval_split(dataset.examples, cfg.data.eval_fraction, seed=cfg.training.seed)
+        if env.is_main:
+            log.info(
+                "%d training and %d held-out sequences from %s (%d without trained tokens dropped)",
+                len(train), len(heldout), source, dataset.dropped,
+            )
+        torch.manual_seed(cfg.training.seed)  # the head's initialisation (DeepSpeed then copies rank 0's to all)
+        head = build_head(cfg.head, target)
+        if hasattr(head, "set_draft_vocab"):  # EAGLE-3: the most frequent target tokens of the training data
+            counts = torch.zeros(target.vocab_size, dtype=torch.long)
+            for example in train:
+                counts += torch.bincount(torch.tensor(example["input_ids"]), minlength=target.vocab_size)
+            head.set_draft_vocab(counts, target)
+        pad = target.tokenizer.pad_token_id
+        pad = pad if pad is not None else 0  # padding is masked out of attention and loss, so any id serves
+        trainer = Trainer(
+            cfg,
+            target=target,
+            head=head,
+            train_data=train,
+            collate=partial(data_lib.collate, pad_token_id=pad),
+            evaluate=_evaluator(cfg, target, heldout),
+        )
+        return trainer.fit()
+    finally:
+        shutdown_distributed(env)
+
+
+def run_regeneration(cfg: TrainConfig) -> str:
+    """``specgraft regenerate CONFIG``: only the self-distillation step of a training config."""
+    if cfg.data.regenerate is None:
+        raise ValueError("the config has no data.regenerate section: nothing to regenerate")
+    if cfg.training.num_threads:
+        torch.set_num_threads(cfg.training.num_threads)
+    target = load_target(
+        cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device, attn_implementation=cfg.target.attn_implementation
+    )
+    env = init_distributed()
+    try:
+        return _regenerate(cfg, target, env.is_main)
+    finally:
+        shutdown_distributed(env)
+
+
+def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
+    """Rank 0 writes (or completes) the self-distilled data; every rank then trains on it.
+
+    The other ranks wait at a barrier, under the process group's timeout; for
+    long regenerations on many ranks run it as its own step first (the output
+    is reused when complete).
+    """
+    from specgraft.train import data as data_lib
+    from specgraft.train.regenerate import regenerate
+
+    regen = cfg.data.regenerate
+    if is_main:
+        prompt_source = regen.prompts or cfg.data.train
+        inputs = data_lib.load_records(prompt_source, on_error=cfg.data.on_error) if prompt_source else []
+        summary = regenerate(
+            target,
+            inputs,
+            regen.output,
+            max_new_tokens=regen.max_new_tokens,
+            temperature=regen.temperature,
+            batch_size=regen.batch_size,
+            seed=regen.seed,
+            num_from_bos=regen.num_from_bos,
+        )
+        log.info("regenerated %d records into %s (%d already there)", summary.written, regen.output, summary.skipped)
+    dist.barrier()
+    return regen.output
+
+
+def _evaluator(cfg: TrainConfig, target: Target, heldout: list[dict]):
+    """Per-depth accuracy on the held-out split and tau on ``eval.prompts``; None when there is neither."""
+    prompts_file = cfg.eval.prompts
+    if prompts_file is None and not heldout:
+        return None
+    from specgraft.train.evaluate import make_head_evaluator, read_prompts
+
+    prompts = read_prompts(prompts_file, cfg.eval.num_prompts) if prompts_file else []
+    return make_head_evaluator(
+        target,
+        prompts=prompts,
+        heldout=[example["input_ids"] for example in heldout],
+        tree=cfg.tree,
+        max_new_tokens=cfg.eval.max_new_tokens,
+    )
