@@ -61,12 +61,35 @@ def as_drafter(head: nn.Module, target: Target) -> Drafter:
 
 
 def load_drafter(path: str | Path, target: Target) -> Drafter:
-    """Any trained drafter directory: a Medusa or EAGLE head, or a distilled draft model."""
-    path = Path(path)
+    """Any drafter directory: a specgraft head (Medusa, EAGLE, EAGLE-3), a distilled draft model,
+    or any other transformers causal LM sharing the target's vocabulary (an independent draft)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter directory {path} does not exist")
     if (path / SIDECAR).is_file():  # a distilled draft: a transformers model directory
         check_target(json.loads((path / SIDECAR).read_text())["target"], target, f"draft model {path}")
         return DraftModel(path, target)
+    config = path / "config.json"
+    try:
+        raw = json.loads(config.read_text()) if config.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config} is not valid JSON ({err})") from None
+    if "model_type" in raw and "head" not in raw:
+        return DraftModel(path, target)  # a transformers causal LM trained elsewhere
     return as_drafter(load_head(path, target), target)
+
+
+def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
+    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself) or a directory."""
+    if spec == "none":
+        return None
+    if spec == "prompt-lookup":
+        return PromptLookup()
+    if spec == "self":
+        return DraftModel(target, target)
+    if not Path(spec).expanduser().is_dir():
+        raise FileNotFoundError(f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self' or a drafter directory")
+    return load_drafter(spec, target)
 
 
 __all__ = [
@@ -85,6 +108,7 @@ __all__ = [
     "TrainableHead",
     "as_drafter",
     "build_head",
+    "drafter_from_spec",
     "load_drafter",
     "load_head",
     "save_head",

@@ -41,7 +41,7 @@ import torch
 
 from transformers.generation.streamers import BaseStreamer
 
-from specgraft.heads import DraftModel, PromptLookup, load_drafter
+from specgraft.heads import PromptLookup, drafter_from_spec
 from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.stats import GenerationStats, percentile
@@ -760,22 +760,9 @@ def _check_drafter_spec(spec: str) -> None:
 
 
 def build_drafter(spec: str, target: Target) -> Drafter:
-    """A drafter from a --drafter value: built-ins by name, specgraft heads via `load_drafter`,
-    and any other transformers model directory as an independent draft model."""
+    """A drafter from a --drafter value (see `specgraft.heads.drafter_from_spec`); ``none`` is a baseline here."""
     _check_drafter_spec(spec)
-    if spec == "prompt-lookup":
-        return PromptLookup()
-    if spec == "self":
-        return DraftModel(target, target)
-    path = Path(spec).expanduser()
-    config = path / "config.json"
-    try:
-        plain_lm = config.is_file() and "head" not in json.loads(config.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--drafter {spec!r}: {config} is not valid JSON ({err})") from None
-    if plain_lm and not (path / "specgraft_head.json").is_file():
-        return DraftModel(path, target)  # a small LM trained elsewhere, not by specgraft
-    return load_drafter(path, target)
+    return drafter_from_spec(spec, target)
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:

@@ -13,30 +13,16 @@ import torch
 DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
 
 
-def _build_drafter(spec: str, target):
-    """``none``, ``prompt-lookup``, ``self`` (the target drafts for itself), or a small causal LM's directory."""
-    import specgraft as sg
-
-    if spec == "none":
-        return None
-    if spec == "prompt-lookup":
-        return sg.PromptLookup()
-    if spec == "self":
-        return sg.DraftModel(target, target)
-    if not Path(spec).is_dir():
-        raise FileNotFoundError(f"--drafter {spec!r}: expected 'none', 'prompt-lookup', 'self' or a model directory")
-    return sg.DraftModel(spec, target)
-
-
 def _load(args: argparse.Namespace):
     """Target, drafter and tree from the common flags; the tree spec is checked before any model loads."""
     import specgraft as sg
+    from specgraft.heads import drafter_from_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
     tree = sg.parse_tree_spec(args.tree)
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
-    return target, _build_drafter(args.drafter, target), tree
+    return target, drafter_from_spec(args.drafter, target), tree
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,6 +97,37 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune_tree(args: argparse.Namespace) -> int:
+    from specgraft.infer.bench import encode_prompt, read_prompt_file
+    from specgraft.infer.tune import tune
+
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
+    target, drafter, _ = _load(args)
+    if drafter is None:
+        raise ValueError("--drafter none has nothing to tune")
+    prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
+    result = tune(target, drafter, prompts, depth=args.depth, max_new_tokens=args.max_new_tokens)
+    spec = result.static_spec() if args.kind == "static" else result.dynamic_spec()
+    report = {
+        **spec,
+        "predicted_speedup_vs_plain": result.best.speedup,
+        "expected_tokens_per_step": result.best.expected_tokens,
+        "verify_cost": {str(n): c for n, c in result.verify_cost.items()},
+        "draft_cost_per_depth": result.draft_cost,
+        "acceptance": result.acceptance,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print("verification cost T(n)/T(1): " + ", ".join(f"{n}: {c:.2f}" for n, c in result.verify_cost.items()))
+    print(f"draft round cost: {result.draft_cost:.2f} x T(1)")
+    print("acceptance by depth (rank 0): " + ", ".join(f"{a[0]:.2f}" for a in result.acceptance))
+    print(f"chosen: {len(result.best.choices)} nodes, depth {result.best.depth}, "
+          f"expected {result.best.expected_tokens:.2f} tokens/step, predicted {result.best.speedup:.2f}x plain decoding")
+    print(f"tree spec written to {args.out} (use --tree {args.out})")
+    return 0
+
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory or hub id")
     p.add_argument("--drafter", default="prompt-lookup", help="'none', 'prompt-lookup', 'self', or a draft model directory")
@@ -156,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("config", help="YAML training config (see recipes/)")
         cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
         cmd.set_defaults(func=func)
+
+    tune_p = sub.add_parser("tune-tree", help="measure this device and drafter, and size the tree for speed")
+    _model_flags(tune_p)
+    tune_p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench jsonl, text, ...)")
+    tune_p.add_argument("--limit", type=int, default=10, help="calibration prompts used")
+    tune_p.add_argument("--max-new-tokens", type=int, default=64)
+    tune_p.add_argument("--depth", type=int, default=6, help="deepest level considered")
+    tune_p.add_argument("--kind", choices=["dynamic", "static"], default="dynamic",
+                        help="write a DynamicTree budget (EAGLE-2) or a static tree of the best nodes (Sequoia)")
+    tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
+    tune_p.set_defaults(func=cmd_tune_tree)
 
     from specgraft.infer.bench import add_bench_arguments, bench_main
 

@@ -226,9 +226,12 @@ class StaticTree:
 
 
 def parse_tree_spec(spec: str) -> TreePolicy:
-    """``chain:5``, ``static:FILE.json`` (Medusa-style paths) or ``dynamic:TOP_K,DEPTH,BUDGET`` (EAGLE-2)."""
+    """``chain:5``, ``static:FILE.json`` (Medusa-style paths), ``dynamic:TOP_K,DEPTH,BUDGET`` (EAGLE-2),
+    or a ``FILE.json`` tree spec (as `specgraft tune-tree` writes)."""
     from specgraft.tree.dynamic import DynamicTree
 
+    if spec.endswith(".json"):
+        return tree_from_file(spec)
     kind, _, arg = spec.partition(":")
     if kind == "chain" and arg.isdigit():
         return Chain(depth=int(arg))
@@ -240,5 +243,25 @@ def parse_tree_spec(spec: str) -> TreePolicy:
             top_k, depth, budget = (int(p) for p in parts)
             return DynamicTree(top_k=top_k, depth=depth, budget=budget)
     raise ValueError(
-        f"unknown tree spec {spec!r}: expected 'chain:DEPTH', 'static:FILE.json' or 'dynamic:TOP_K,DEPTH,BUDGET'"
+        f"unknown tree spec {spec!r}: expected 'chain:DEPTH', 'static:FILE.json', 'dynamic:TOP_K,DEPTH,BUDGET' "
+        "or a FILE.json written by specgraft tune-tree"
     )
+
+
+def tree_from_file(path: str | Path) -> TreePolicy:
+    """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, or static paths (list or {"choices"})."""
+    from specgraft.tree.dynamic import DynamicTree
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tree file {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tree file {path} is not valid JSON: {err}") from None
+    if isinstance(data, dict) and data.get("kind") == "dynamic":
+        try:
+            return DynamicTree(top_k=int(data["top_k"]), depth=int(data["depth"]), budget=int(data["budget"]))
+        except KeyError as err:
+            raise ValueError(f"tree file {path}: a dynamic tree needs {err.args[0]!r}") from None
+    return StaticTree.from_file(path)

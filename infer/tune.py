@@ -1,0 +1,184 @@
+"""``specgraft tune-tree``: measure this device and this drafter, then size the tree.
+
+Three measurements feed `specgraft.tree.optimize.size_tree`:
+
+1. verification cost T(n)/T(1) for n tree nodes on a real prefix, cached per
+   model, dtype, device and thread count (it depends on nothing else);
+2. one draft round's cost relative to T(1);
+3. acceptance per depth and sibling rank from greedy decoding of calibration
+   prompts with a chain, recording the drafter's top-R tokens at each depth:
+   the target's own token at depth d (known from what the step committed)
+   either sits at some rank among them or is a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from specgraft.heads.base import Drafter
+from specgraft.infer.generator import Decoding
+from specgraft.infer.stopping import StopRule
+from specgraft.target import Target
+from specgraft.tree import Chain, Tree, TreeBuilder, tree_attention_mask, tree_position_ids
+from specgraft.tree.optimize import TreeChoice, size_tree
+
+VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
+PREFIX_TOKENS = 128  # a typical mid-generation cache length for the cost curve
+RANKS = 8  # sibling ranks recorded per depth
+
+
+def cache_file() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specgraft"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / "verify_cost.json"
+
+
+def _star_tree(n: int, device) -> Tree:
+    """Root plus n - 1 children: n nodes verified with a real 4D mask."""
+    return Tree(
+        tokens=torch.arange(n, device=device) % 7 + 3,
+        parents=torch.tensor([-1] + [0] * (n - 1), device=device),
+        depth=torch.tensor([0] + [1] * (n - 1), device=device),
+        scores=torch.zeros(n, device=device),
+    )
+
+
+def measure_verify_cost(target: Target, sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 15, use_cache: bool = True) -> dict[int, float]:
+    """n -> median forward time of n tree nodes after PREFIX_TOKENS, relative to n = 1 (interleaved)."""
+    key = f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}"
+    path = cache_file()
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if use_cache and key in cached and all(str(n) in cached[key] for n in sizes):
+        return {n: cached[key][str(n)] for n in sizes}
+    ids = torch.arange(PREFIX_TOKENS, device=target.device)[None] % target.vocab_size
+    cache = target.new_cache()
+    target.forward(ids, cache, torch.arange(PREFIX_TOKENS, device=target.device)[None])
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    trees = {n: _star_tree(n, target.device) for n in sizes}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
+            tree = trees[n]
+            mask = None if n == 1 else tree_attention_mask(tree, PREFIX_TOKENS, target.dtype)
+            start = time.perf_counter()
+            target.forward(tree.tokens[None], cache, tree_position_ids(tree, PREFIX_TOKENS), mask)
+            times[n].append(time.perf_counter() - start)
+            cache.crop(PREFIX_TOKENS)
+    base = statistics.median(times[1][1:])
+    result = {n: statistics.median(t[1:]) / base for n, t in times.items()}
+    cached[key] = {str(n): v for n, v in result.items()} | {"t1_s": base}
+    path.write_text(json.dumps(cached, indent=2))
+    return result
+
+
+@dataclass
+class RecordingChain:
+    """A chain policy that also records the drafter's top-R tokens at every depth."""
+
+    depth: int
+    ranks: int = RANKS
+    recorded: list[list[int]] = field(default_factory=list)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None) -> Tree:
+        self.recorded = []
+        builder = TreeBuilder(root_token, device)
+        last = torch.zeros(1, dtype=torch.long, device=device)
+        for _ in range(min(self.depth, max_depth or self.depth)):
+            logp = step(builder.tree(), last)[0]
+            top = logp.topk(min(self.ranks, logp.shape[-1]))
+            self.recorded.append(top.indices.tolist())
+            last = builder.add(top.indices[:1], last, builder.tree().scores[last] + top.values[:1])
+        return builder.tree()
+
+
+def measure_acceptance(
+    target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, depth: int = 6, max_new_tokens: int = 64
+) -> list[list[float]]:
+    """acceptance[d][r]: P(the target's token at depth d + 1 is the drafter's rank-r token | parent kept)."""
+    hits = [[0] * RANKS for _ in range(depth)]
+    reached = [0] * depth
+    policy = RecordingChain(depth)
+    for ids in tqdm(prompts, desc="calibrating acceptance", leave=False):
+        decoding = Decoding(target, drafter, policy, torch.tensor(ids, device=target.device))
+        rule = StopRule(max_new_tokens, ())
+        rule.accept([decoding.prefill()])
+        while not rule.done:
+            result = decoding.step(max_depth=min(depth, rule.remaining() - 1))
+            # The step committed the target's own choices: depth d's is result.tokens[d - 1], known
+            # for every depth the chain reached with all earlier depths accepted.
+            for d, ranked in enumerate(policy.recorded[: len(result.tokens)]):
+                reached[d] += 1
+                token = result.tokens[d]
+                if token in ranked:
+                    hits[d][ranked.index(token)] += 1
+            rule.accept(result.tokens)
+    return [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
+
+
+def measure_draft_cost(target: Target, drafter: Drafter, prompt: Sequence[int], depth: int = 4, repeats: int = 10) -> float:
+    """One draft round's time relative to a one-token target forward (slope over chain depths 1..depth)."""
+    ids = torch.tensor(prompt, device=target.device)
+    cache = target.new_cache()
+    out = target.forward(ids[None], cache, torch.arange(len(ids), device=ids.device)[None], hidden_layers=tuple(drafter.hidden_layers))
+    root = int(out.logits[0, -1].argmax())
+
+    def run(d: int) -> float:
+        drafter.reset(ids, {i: h[0] for i, h in out.hidden.items()})
+        start = time.perf_counter()
+        drafter.propose(root, Chain(d, draw="top-k"), d)
+        return time.perf_counter() - start
+
+    samples = {d: [] for d in (1, depth)}
+    for _ in range(repeats + 1):
+        for d in samples:
+            samples[d].append(run(d))
+    t1 = statistics.median([measure_one_token(target, cache) for _ in range(repeats)])
+    per_depth = (statistics.median(samples[depth][1:]) - statistics.median(samples[1][1:])) / (depth - 1)
+    first = statistics.median(samples[1][1:])
+    return max(per_depth, first / 2) / t1  # the first round also runs pending tokens; never below half of it
+
+
+def measure_one_token(target: Target, cache) -> float:
+    n = len(cache)
+    start = time.perf_counter()
+    target.forward(torch.tensor([[3]], device=target.device), cache, torch.tensor([[n]], device=target.device))
+    elapsed = time.perf_counter() - start
+    cache.crop(n)
+    return elapsed
+
+
+@dataclass
+class TuneResult:
+    best: TreeChoice
+    candidates: list[TreeChoice]
+    acceptance: list[list[float]]
+    verify_cost: dict[int, float]
+    draft_cost: float
+
+    def dynamic_spec(self) -> dict:
+        """The DynamicTree with the chosen budget: top_k covers the ranks used, depth the deepest node."""
+        top_k = max((max(p) for p in self.best.choices), default=0) + 1
+        return {"kind": "dynamic", "top_k": max(top_k, 2), "depth": max(self.best.depth, 1), "budget": max(len(self.best.choices), 1)}
+
+    def static_spec(self) -> dict:
+        return {"kind": "static", "choices": self.best.choices}
+
+
+def tune(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, depth: int = 6, max_new_tokens: int = 64) -> TuneResult:
+    verify_cost = measure_verify_cost(target)
+    draft_cost = measure_draft_cost(target, drafter, prompts[0])
+    acceptance = measure_acceptance(target, drafter, prompts, depth=depth, max_new_tokens=max_new_tokens)
+    best, candidates = size_tree(acceptance, verify_cost, draft_cost)
+    return TuneResult(best, candidates, acceptance, verify_cost, draft_cost)
