@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specgraft.heads.configs import HeadConfig
+from specgraft.tree import parse_tree_spec
 
 # A data source with one of these endings is a local file, not a hub dataset name.
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".gz", ".parquet", ".csv", ".arrow")
@@ -127,7 +128,7 @@ class TrainConfig(_Section):
     head: HeadConfig
     data: DataSection
     training: TrainingSection = Field(default_factory=TrainingSection)
-    tree: str = "chain:5"  # chain:DEPTH or static:FILE.json, for the tau evaluation
+    tree: str = "chain:5"  # chain:DEPTH, static:FILE.json, dynamic:TOP_K,DEPTH,BUDGET: for the tau evaluation
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
 
@@ -147,8 +148,10 @@ class TrainConfig(_Section):
                 f"training.eval_every={self.training.eval_every} needs something to evaluate on: "
                 "set eval.prompts or data.eval_fraction > 0 (or training.eval_every=0)"
             )
-        if not re.fullmatch(r"chain:[1-9]\d*|static:.+", self.tree):
-            raise ValueError(f"tree={self.tree!r}: expected 'chain:DEPTH' (DEPTH >= 1) or 'static:FILE.json'")
+        try:
+            parse_tree_spec(self.tree)  # the one parser of tree specs; also checks that a tree file exists
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"tree={self.tree!r}: {err}") from None
         return self
 
 
@@ -233,6 +236,8 @@ def _describe(
             problem = "unknown key"
         elif e["type"] == "missing":
             problem = "required key is missing"
+        elif not loc:  # a cross-field check: its message names the keys, the input is the whole config
+            problem = e["msg"].removeprefix("Value error, ")
         else:
             problem = f"{e['msg']} (got {e['input']!r})"
         source = next((f" (set by override {item!r})" for keys, item in overridden.items() if ".".join(keys) == key), "")
