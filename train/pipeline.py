@@ -49,8 +49,9 @@ def run_training(cfg: TrainConfig) -> Path:
         head = build_head(cfg.head, target)
         if hasattr(head, "set_draft_vocab"):  # EAGLE-3: the most frequent target tokens of the training data
             counts = torch.zeros(target.vocab_size, dtype=torch.long)
-            for example in train:
-                counts += torch.bincount(torch.tensor(example["input_ids"]), minlength=target.vocab_size)
+            for example in train:  # only tokens the head learns to predict, as EAGLE-3 and SpecForge count
+                ids = torch.tensor(example["input_ids"])[torch.tensor(example["loss_mask"]).bool()]
+                counts += torch.bincount(ids, minlength=target.vocab_size)
             head.set_draft_vocab(counts, target)
         pad = target.tokenizer.pad_token_id
         pad = pad if pad is not None else 0  # padding is masked out of attention and loss, so any id serves
