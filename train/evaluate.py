@@ -91,9 +91,10 @@ def depth_accuracy(
                 hits1[d] += int(top5[0] == path[d])
                 hits5[d] += int(path[d] in top5)
                 counts[d] += 1
+    reached = [d for d in range(depth) if counts[d]]  # a drafter may draft fewer levels (Medusa: its heads)
     return {
-        "top1": [h / c if c else 0.0 for h, c in zip(hits1, counts)],
-        "top5": [h / c if c else 0.0 for h, c in zip(hits5, counts)],
+        "top1": [hits1[d] / counts[d] for d in reached],
+        "top5": [hits5[d] / counts[d] for d in reached],
     }
 
 
