@@ -18,6 +18,8 @@ from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
 from specgraft.heads.eagle import EagleDrafter, EagleHead
 from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
+from specgraft.heads.export import export_head, validate_export
+from specgraft.heads.import_head import import_head
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
 from specgraft.target import Target
@@ -109,7 +111,10 @@ __all__ = [
     "as_drafter",
     "build_head",
     "drafter_from_spec",
+    "export_head",
+    "import_head",
     "load_drafter",
     "load_head",
     "save_head",
+    "validate_export",
 ]

@@ -185,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
     tune_p.set_defaults(func=cmd_tune_tree)
 
+    from specgraft.heads.export import add_export_arguments, export_main
+    from specgraft.heads.import_head import add_import_arguments, import_main
+
+    export = sub.add_parser("export", help="write a trained head in vLLM, SGLang, EAGLE or Medusa format")
+    add_export_arguments(export)
+    export.set_defaults(func=export_main)
+    importer = sub.add_parser("import-head", help="read an official EAGLE, EAGLE-3 or Medusa checkpoint")
+    add_import_arguments(importer)
+    importer.set_defaults(func=import_main)
+
     from specgraft.infer.bench import add_bench_arguments, bench_main
 
     bench = sub.add_parser("bench", help="benchmark drafters and trees against baselines in one interleaved run")

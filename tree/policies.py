@@ -230,9 +230,9 @@ def parse_tree_spec(spec: str) -> TreePolicy:
     or a ``FILE.json`` tree spec (as `specgraft tune-tree` writes)."""
     from specgraft.tree.dynamic import DynamicTree
 
-    if spec.endswith(".json"):
-        return tree_from_file(spec)
     kind, _, arg = spec.partition(":")
+    if kind not in ("chain", "static", "dynamic") and spec.endswith(".json"):
+        return tree_from_file(spec)
     if kind == "chain" and arg.isdigit():
         return Chain(depth=int(arg))
     if kind == "static" and arg:
