@@ -30,7 +30,7 @@ class EagleConfig:
 
     type: Literal["eagle"] = "eagle"
     num_layers: int = Field(1, ge=1)
-    fc_bias: bool = True  # EAGLE-1 checkpoints carry an fc bias
+    fc_bias: bool = False  # vLLM builds EAGLE's fc without a bias (SGLang takes either); EAGLE-1's Vicuna heads had one
     noise: float = Field(0.1, ge=0.0)  # U(-noise, noise) added to input features while training (EAGLE paper)
     feature_loss_weight: float = 1.0  # SmoothL1 on predicted features
     token_loss_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE's 0.1)

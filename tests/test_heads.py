@@ -63,9 +63,11 @@ def test_medusa_loss_weights_heads_by_decay(tiny_target):
 def test_eagle_weight_names_follow_official_checkpoints(tiny_target):
     head = build_head(EagleConfig(), tiny_target)
     names = set(head.state_dict())
-    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight"} <= names
+    assert "fc.bias" not in names  # no bias by default: vLLM's EAGLE has none
     assert not any("input_layernorm" in n or "embed" in n or "lm_head" in n for n in names)
+    assert "fc.bias" in build_head(EagleConfig(fc_bias=True), tiny_target).state_dict()
 
 
 def test_eagle_loss_is_finite_and_backpropagates_into_the_head_only(tiny_target):
