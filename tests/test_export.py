@@ -162,7 +162,7 @@ def test_eagle1_names_and_fields(tiny, tmp_path, fmt, arch, bias):
 
 
 def test_eagle1_official_layout_keeps_the_fc_bias(tiny, tmp_path):
-    out = export_head(saved(EagleConfig(), tiny, tmp_path / "h"), "eagle", tmp_path / "x", tiny)
+    out = export_head(saved(EagleConfig(fc_bias=True), tiny, tmp_path / "h"), "eagle", tmp_path / "x", tiny)
     assert set(load_file(out / "model.safetensors")) == eagle1_names(1, bias=True)
     assert json.loads((out / "config.json").read_text())["bias"] is True
 
@@ -193,7 +193,7 @@ def test_medusa_repository_names_and_fields(tiny, tmp_path):
 # -- the validator refuses tampered directories --------------------------------------------------
 
 CASES = [("eagle3", EAGLE3, "vllm"), ("eagle3", EAGLE3, "sglang"), ("eagle3", EAGLE3, "eagle"),
-         ("eagle", EagleConfig(fc_bias=False), "vllm"), ("eagle", EagleConfig(), "sglang"), ("eagle", EagleConfig(), "eagle"),
+         ("eagle", EagleConfig(fc_bias=False), "vllm"), ("eagle", EagleConfig(fc_bias=True), "sglang"), ("eagle", EagleConfig(fc_bias=True), "eagle"),
          ("medusa", MedusaConfig(num_heads=2), "vllm"), ("medusa", MedusaConfig(num_heads=2), "medusa")]
 
 
@@ -263,7 +263,7 @@ def test_refused_exports_name_the_reason(tiny, tmp_path):
     with pytest.raises(ValueError, match="cannot be exported --to eagle"):
         export_head(medusa, "eagle", tmp_path / "a")
     with pytest.raises(ValueError, match="builds fc without a bias"):
-        export_head(saved(EagleConfig(), tiny, tmp_path / "biased"), "vllm", tmp_path / "a", tiny)
+        export_head(saved(EagleConfig(fc_bias=True), tiny, tmp_path / "biased"), "vllm", tmp_path / "a", tiny)
     with pytest.raises(ValueError, match=r"official EAGLE code always taps \(2, 4, 5\)"):
         export_head(saved(Eagle3Config(aux_layers=[1, 3, 6]), tiny, tmp_path / "taps"), "eagle", tmp_path / "a", tiny)
     with pytest.raises(ValueError, match="repeat a layer"):
@@ -288,7 +288,7 @@ ROUND_TRIPS = [
     (EAGLE3, "vllm"), (EAGLE3, "sglang"), (EAGLE3, "eagle"),
     (Eagle3Config(aux_layers=[5, 1, 3]), "vllm"),  # unsorted taps: fc's input blocks are reordered
     (Eagle3Config(aux_layers=[6, 2, 3], draft_vocab_size=50), "sglang"),
-    (EagleConfig(fc_bias=False), "vllm"), (EagleConfig(num_layers=2), "sglang"), (EagleConfig(), "eagle"),
+    (EagleConfig(fc_bias=False), "vllm"), (EagleConfig(num_layers=2, fc_bias=True), "sglang"), (EagleConfig(), "eagle"),
     (MedusaConfig(num_heads=3, num_layers=2), "vllm"), (MedusaConfig(num_heads=3), "medusa"),
 ]
 
@@ -308,7 +308,7 @@ def test_round_trip_keeps_drafts_identical(tiny, tmp_path, config, fmt):
 
 STORIES_TRIPS = [(Eagle3Config(aux_layers=[1, 2, 3], draft_vocab_size=200), "vllm"),
                  (Eagle3Config(aux_layers=[1, 2, 4]), "sglang"),
-                 (EagleConfig(fc_bias=False), "vllm"), (EagleConfig(), "eagle"),
+                 (EagleConfig(fc_bias=False), "vllm"), (EagleConfig(fc_bias=True), "eagle"),
                  (MedusaConfig(num_heads=3), "vllm"), (MedusaConfig(num_heads=2), "medusa")]
 
 
@@ -436,7 +436,7 @@ def test_engine_tap_conventions_import_to_the_same_layers(tiny, tmp_path):
 
 
 def test_official_eagle1_checkpoint_with_embedding_and_inv_freq(tiny, tmp_path):
-    head = perturbed_head(EagleConfig(), tiny)
+    head = perturbed_head(EagleConfig(fc_bias=True), tiny)
     state = dict(head.state_dict())
     state["embed_tokens.weight"] = tiny.model.get_input_embeddings().weight.detach().clone()
     state["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old transformers saved it; not learned
