@@ -2,8 +2,13 @@
 
 Everything that knows transformers' calling conventions lives here, so the
 engine, the heads and the trees speak only in tensors: token ids, explicit
-position ids, an optional 4D additive mask, and a `KVCache` whose rows can be
+position ids, an optional 4D additive mask, and a KV cache whose rows can be
 kept or dropped by index.
+
+Llama-family targets (Llama, Mistral, Qwen2, Qwen3) run by default on
+`specgraft.fast_llama`, a lean forward over the same weights with a
+`StaticKVCache`; everything else, or ``fast=False``, runs HF's own forward
+with a `KVCache`. Both caches have the same interface.
 
 Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
 """
@@ -17,10 +22,16 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Attention backends that honour an arbitrary 4D additive mask. flash_attention_2
 # takes no such mask, so a tree would silently attend to its siblings.
 MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+# Slots a static cache holds beyond the model's context: the nodes of one tree
+# share positions but each needs a slot, so a tree verified at the very end of
+# the context runs past it. Trees are at most a few hundred nodes.
+TREE_SLOTS = 1024
 
 
 class KVCache:
@@ -83,21 +94,31 @@ class Target:
 
     Build it with `load_target`; the same adapter also wraps independent
     draft models.
+
+    Args:
+        model: the HF model (kept as ``self.model`` for ``generate`` and friends).
+        fast: ``"auto"`` runs Llama-family models on `FastLlama` and others on HF's
+            forward; True requires the fast path; False always uses HF's forward.
+
+    Raises:
+        ValueError: ``fast=True`` on a model the fast path cannot run exactly.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str | None = None, *, fast: bool | str = "auto") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
+        self.fast = _fast_path(model, fast)
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        # The engine asks every step; walking model.parameters() costs ~15 us, a held weight nothing.
+        return (self.fast.embed if self.fast is not None else next(self.model.parameters())).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return (self.fast.embed if self.fast is not None else next(self.model.parameters())).dtype
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +151,10 @@ class Target:
             return ()
         return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> KVCache | StaticKVCache:
+        """An empty cache for `forward`: static buffers on the fast path, HF's DynamicCache otherwise."""
+        if self.fast is not None:
+            return self.fast.new_cache(max_len=self.max_context + TREE_SLOTS)
         return KVCache()
 
     def encode(self, text: str) -> list[int]:
@@ -145,7 +169,7 @@ class Target:
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | StaticKVCache,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         hidden_layers: Sequence[int] = (),
@@ -155,7 +179,7 @@ class Target:
 
         Args:
             input_ids: (B, T) token ids.
-            cache: the cache to read and extend; holds S positions before the call.
+            cache: the cache to read and extend (from `new_cache`); holds S positions before the call.
             position_ids: (B, T) explicit RoPE positions (a tree node sits at prefix + depth).
             attention_mask: (B or 1, 1, T, S + T) additive float mask, or None for plain causal.
             hidden_layers: HF ``hidden_states`` indices to return (0 = embeddings,
@@ -166,6 +190,15 @@ class Target:
             expected = (input_ids.shape[1], len(cache) + input_ids.shape[1])
             if tuple(attention_mask.shape[-2:]) != expected:
                 raise ValueError(f"attention mask has shape {tuple(attention_mask.shape)}, expected (.., 1, {expected[0]}, {expected[1]})")
+        if self.fast is not None:
+            if not isinstance(cache, StaticKVCache):
+                raise TypeError(f"target {self.name!r} runs the fast path and needs its own cache: use target.new_cache()")
+            logits, hidden = self.fast.forward(
+                input_ids, cache, position_ids, attention_mask, tuple(hidden_layers), last_only
+            )
+            return ModelOutput(logits=logits.float(), hidden=hidden)
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"target {self.name!r} runs Hugging Face's forward and needs a KVCache: use target.new_cache()")
         out = self.model(
             input_ids=input_ids,
             cache=cache.hf,
@@ -177,6 +210,20 @@ class Target:
         )
         hidden = {i: out.hidden_states[i] for i in hidden_layers}
         return ModelOutput(logits=out.logits.float(), hidden=hidden)
+
+
+def _fast_path(model: PreTrainedModel, fast: bool | str) -> FastLlama | None:
+    """The fast forward for ``model`` as ``fast`` asks ("auto", True or False), or None for HF's."""
+    if fast not in ("auto", True, False):
+        raise ValueError(f"fast={fast!r} must be 'auto', True or False")
+    if fast is False:
+        return None
+    reason = unsupported_reason(model)
+    if reason is None:
+        return FastLlama(model)
+    if fast is True:
+        raise ValueError(f"fast=True, but {reason}; use fast='auto' or False to run Hugging Face's forward")
+    return None
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -206,8 +253,13 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     role: str = "target",
+    fast: bool | str = "auto",
 ) -> Target:
-    """Load and freeze a causal LM, checking that tree attention will be exact on it."""
+    """Load and freeze a causal LM, checking that tree attention will be exact on it.
+
+    ``fast``: "auto" runs Llama-family models on the lean `FastLlama` forward, True
+    requires it (ValueError naming the architecture otherwise), False keeps HF's.
+    """
     torch_dtype = _resolve_dtype(dtype)
     torch_device = _resolve_device(device)
     if attn_implementation not in MASKED_ATTENTION:
@@ -243,7 +295,7 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{role} {name or type(model).__name__} is an encoder-decoder; specgraft needs a causal LM")
     model.eval().requires_grad_(False)
-    target = Target(model, tokenizer, name)
+    target = Target(model, tokenizer, name, fast=fast)
     _check_tree_attention(target, role)
     return target
 
@@ -254,16 +306,24 @@ def load_target(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    fast: bool | str = "auto",
 ) -> Target:
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
+
+    ``fast="auto"`` runs Llama, Mistral, Qwen2 and Qwen3 models with sdpa or eager
+    attention on `specgraft.fast_llama` (same weights, same outputs, less
+    overhead); ``fast=False`` keeps Hugging Face's forward; ``fast=True`` requires
+    the fast path.
 
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: an unknown dtype or device, an attention backend without
-            4D masks, or a model whose forward ignores the tree mask.
+            4D masks, a model whose forward ignores the tree mask, or
+            ``fast=True`` on an architecture the fast path does not cover.
     """
     return load_model(
-        path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation
+        path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
+        fast=fast,
     )
 
 

@@ -1,0 +1,429 @@
+"""The fast Llama-family forward against Hugging Face's, and its static KV cache.
+
+Each case runs the same calls on two `Target`s over one HF model, one on
+`FastLlama` (``fast=True``) and one on HF's forward (``fast=False``), and
+compares logits, the requested hidden states and the caches: prefill, one
+token after a cache, a causal chunk after a cache, a tree with a 4D additive
+mask, then after ``keep`` of a non-contiguous path and after ``crop``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import STORIES, tiny_causal_lm
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import specgraft as sg
+from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
+from specgraft.target import KVCache, Target
+from specgraft.tree import additive_mask
+
+TOL = 1e-5
+VOCAB = 97
+# A 6-node tree after the cache: node -> parent (-1: the root). The accepted path 0 -> 2 -> 5 skips rows 1, 3, 4.
+TREE_PARENTS = [-1, 0, 0, 1, 2, 2]
+ACCEPTED = [0, 2, 5]
+
+
+class Pair:
+    """A fast and an HF target over one model, each with its own cache, driven in lockstep."""
+
+    def __init__(self, model) -> None:
+        self.fast = sg.load_target(model, fast=True)
+        self.hf = sg.load_target(model, fast=False)
+        assert self.fast.fast is not None and self.hf.fast is None
+        self.caches = (self.fast.new_cache(), self.hf.new_cache())
+        n = self.fast.num_layers
+        self.layers = (0, 1, n // 2, n - 1, n, -1)  # HF hidden_states indices, the final norm twice
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask=None, last_only: bool = False) -> float:
+        """Run both; return the largest |difference| over logits and hidden states (shapes must agree)."""
+        fast = self.fast.forward(ids, self.caches[0], positions, mask, self.layers, last_only)
+        hf = self.hf.forward(ids, self.caches[1], positions, mask, self.layers, last_only)
+        assert fast.logits.dtype == torch.float32 and fast.logits.shape == hf.logits.shape
+        assert fast.hidden.keys() == hf.hidden.keys()
+        pairs = [(fast.logits, hf.logits)] + [(fast.hidden[i], hf.hidden[i]) for i in self.layers]
+        for got, want in pairs:
+            assert got.shape == want.shape
+        return max(float((got - want).abs().max()) for got, want in pairs)
+
+    def kv_difference(self) -> float:
+        fast, hf = self.caches
+        assert len(fast) == len(hf)
+        worst = 0.0
+        for layer in range(self.fast.num_layers):
+            for got, want in zip(fast.layer_kv(layer), hf.layer_kv(layer)):
+                assert got.shape == want.shape
+                worst = max(worst, float((got - want).abs().max()))
+        return worst
+
+    def keep(self, prefix: int, rows: torch.Tensor) -> None:
+        for cache in self.caches:
+            cache.keep(prefix, rows)
+
+    def crop(self, length: int) -> None:
+        for cache in self.caches:
+            cache.crop(length)
+
+    def __len__(self) -> int:
+        return len(self.caches[0])
+
+
+def tree_mask(prefix: int, parents: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, N, prefix + N) additive mask: the prefix and each node's ancestors and itself."""
+    n = len(parents)
+    visible = torch.zeros(n, prefix + n, dtype=torch.bool)
+    visible[:, :prefix] = True
+    for node in range(n):
+        ancestor = node
+        while ancestor >= 0:
+            visible[node, prefix + ancestor] = True
+            ancestor = parents[ancestor]
+    return additive_mask(visible, dtype)
+
+
+def tree_depths(parents: list[int]) -> torch.Tensor:
+    depth = []
+    for parent in parents:
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return torch.tensor(depth)
+
+
+def _model(name: str):
+    if name == "stories":
+        if not STORIES.is_dir():
+            pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+        return sg.load_target(STORIES, fast=False).model
+    if name == "llama-eager":
+        model = tiny_causal_lm("llama", vocab_size=VOCAB, seed=1)
+        model.set_attn_implementation("eager")
+        return model
+    return tiny_causal_lm(name, vocab_size=VOCAB, seed=1)
+
+
+CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(params=CASES)
+def pair(request) -> Pair:
+    return Pair(_model(request.param))
+
+
+def _ids(pair: Pair, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, pair.fast.vocab_size, (batch, n), generator=g)
+
+
+# --------------------------------------------------------------------------- forward equals HF's
+
+
+def test_prefill_matches_hf(pair):
+    assert pair.forward(_ids(pair, 24), torch.arange(24)[None]) < TOL
+    assert pair.kv_difference() < TOL
+
+
+def test_prefill_last_only_matches_hf(pair):
+    assert pair.forward(_ids(pair, 24), torch.arange(24)[None], last_only=True) < TOL
+
+
+def test_single_token_after_a_cache_matches_hf(pair):
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    for step in range(3):
+        assert pair.forward(_ids(pair, 1, seed=step + 1), torch.tensor([[24 + step]])) < TOL
+    assert pair.kv_difference() < TOL
+
+
+def test_causal_chunk_after_a_cache_matches_hf(pair):
+    """T > 1 new tokens after a non-empty cache with no mask: causal over cache and chunk."""
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    assert pair.forward(_ids(pair, 7, seed=1), torch.arange(24, 31)[None]) < TOL
+    assert pair.kv_difference() < TOL
+
+
+def test_tree_with_4d_mask_matches_hf(pair):
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    mask = tree_mask(24, TREE_PARENTS, pair.fast.dtype)
+    positions = (24 + tree_depths(TREE_PARENTS))[None]
+    assert pair.forward(_ids(pair, len(TREE_PARENTS), seed=2), positions, mask) < TOL
+
+
+def test_decoding_after_keep_of_a_non_contiguous_path_matches_hf(pair):
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    pair.forward(_ids(pair, 6, seed=2), (24 + tree_depths(TREE_PARENTS))[None], tree_mask(24, TREE_PARENTS, pair.fast.dtype))
+    pair.keep(24, torch.tensor(ACCEPTED))
+    assert len(pair) == 24 + len(ACCEPTED)
+    assert pair.kv_difference() < TOL
+    # the next step: a chain of 3 after the committed path, then a single token
+    assert pair.forward(_ids(pair, 3, seed=3), torch.arange(27, 30)[None]) < TOL
+    assert pair.forward(_ids(pair, 1, seed=4), torch.tensor([[30]])) < TOL
+
+
+def test_keep_equals_a_fresh_prefill_of_the_kept_tokens(pair):
+    """After keep, the fast cache holds what a fresh prefill of the committed sequence computes.
+
+    Relative to the tensor's scale: a differently shaped but equivalent forward
+    moves stories260K's keys (up to ~26) by ~1e-5 in float32; a wrong row is O(1).
+    """
+    prompt = _ids(pair, 24)
+    tree = _ids(pair, 6, seed=2)
+    fast = pair.fast
+    cache = fast.new_cache()
+    fast.forward(prompt, cache, torch.arange(24)[None])
+    fast.forward(tree, cache, (24 + tree_depths(TREE_PARENTS))[None], tree_mask(24, TREE_PARENTS, fast.dtype))
+    cache.keep(24, torch.tensor(ACCEPTED))
+    fresh = fast.new_cache()
+    fast.forward(torch.cat([prompt, tree[:, ACCEPTED]], dim=1), fresh, torch.arange(27)[None])
+    for layer in range(fast.num_layers):
+        for got, want in zip(cache.layer_kv(layer), fresh.layer_kv(layer)):
+            assert float((got - want).abs().max()) / max(1.0, float(want.abs().max())) < TOL
+
+
+def test_decoding_after_crop_matches_hf(pair):
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    pair.forward(_ids(pair, 5, seed=1), torch.arange(24, 29)[None])
+    pair.crop(20)
+    assert len(pair) == 20 and pair.kv_difference() < TOL
+    assert pair.forward(_ids(pair, 4, seed=5), torch.arange(20, 24)[None]) < TOL
+    assert pair.forward(_ids(pair, 1, seed=6), torch.tensor([[24]])) < TOL
+
+
+def test_batch_of_two_matches_hf(pair):
+    pair.forward(_ids(pair, 12, batch=2), torch.arange(12)[None].expand(2, 12))
+    assert pair.forward(_ids(pair, 1, seed=1, batch=2), torch.tensor([[12], [12]])) < TOL
+    mask = tree_mask(13, TREE_PARENTS, pair.fast.dtype)
+    positions = (13 + tree_depths(TREE_PARENTS))[None].expand(2, -1)
+    assert pair.forward(_ids(pair, 6, seed=2, batch=2), positions, mask) < TOL
+    pair.keep(13, torch.tensor([[0, 2, 5], [0, 1, 3]]))
+    assert pair.kv_difference() < TOL
+    assert pair.forward(_ids(pair, 1, seed=3, batch=2), torch.tensor([[16], [16]])) < TOL
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+    ids=lambda r: r["rope_type"],
+)
+def test_scaled_rope_types_match_hf(rope):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **rope},
+        attn_implementation="sdpa",
+    )
+    pair = Pair(LlamaForCausalLM(config).eval())
+    assert pair.fast.model.model.rotary_emb.rope_type == rope["rope_type"]
+    assert pair.forward(_ids(pair, 150), torch.arange(150)[None]) < TOL
+    assert pair.forward(_ids(pair, 1, seed=1), torch.tensor([[200]])) < TOL
+
+
+def test_the_fast_path_sees_in_place_weight_updates():
+    """It references the HF parameters, no copies: a changed weight changes both paths alike."""
+    pair = Pair(_model("llama"))
+    with torch.no_grad():
+        pair.fast.model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    assert pair.forward(_ids(pair, 10), torch.arange(10)[None]) < TOL
+
+
+def test_out_of_range_hidden_layer_is_an_error():
+    target = sg.load_target(_model("llama"), fast=True)
+    with pytest.raises(IndexError, match="hidden_layers"):
+        target.forward(torch.tensor([[5]]), target.new_cache(), torch.tensor([[0]]), hidden_layers=(3,))
+
+
+def test_a_cache_of_the_other_path_is_refused():
+    target = sg.load_target(_model("llama"), fast=True)
+    with pytest.raises(TypeError, match="new_cache"):
+        target.forward(torch.tensor([[5]]), KVCache(), torch.tensor([[0]]))
+
+
+# --------------------------------------------------------------------------- which path runs
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=2, attn_implementation="sdpa")
+    return GPT2LMHeadModel(config).eval()
+
+
+def test_auto_chooses_the_fast_path_for_llama_family():
+    for arch in ("llama", "mistral", "qwen2", "qwen3"):
+        target = sg.load_target(tiny_causal_lm(arch, vocab_size=VOCAB))
+        assert target.fast is not None, arch
+        assert isinstance(target.new_cache(), StaticKVCache)
+        assert target.model.__class__.__name__.endswith("ForCausalLM")  # Target.model stays the HF model
+
+
+def test_auto_keeps_hf_for_an_unsupported_architecture():
+    target = sg.load_target(tiny_gpt2())
+    assert target.fast is None
+    assert isinstance(target.new_cache(), KVCache)
+    assert "GPT2LMHeadModel" in unsupported_reason(target.model)
+
+
+def test_auto_keeps_hf_for_a_subclass_and_for_flex_attention():
+    class Patched(LlamaForCausalLM):
+        pass
+
+    model = tiny_causal_lm("llama", vocab_size=VOCAB)
+    patched = Patched(model.config).eval()
+    assert Target(patched).fast is None
+    model.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in unsupported_reason(model)
+
+
+def test_fast_true_on_an_unsupported_architecture_names_it():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        sg.load_target(tiny_gpt2(), fast=True)
+
+
+def test_fast_false_keeps_hf_and_a_bad_value_is_refused():
+    model = tiny_causal_lm("llama", vocab_size=VOCAB)
+    assert sg.load_target(model, fast=False).fast is None
+    with pytest.raises(ValueError, match="fast="):
+        sg.load_target(model, fast="yes")
+
+
+def test_fast_path_generates_what_hf_generate_does():
+    model = tiny_causal_lm("qwen3", vocab_size=VOCAB)
+    ids = [5, 9, 13, 40, 7]
+    x = torch.tensor([ids])
+    want = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    target = sg.load_target(model)
+    assert target.fast is not None
+    got = sg.SpeculativeGenerator(target, sg.PromptLookup()).generate(ids, max_new_tokens=30, eos_token_id=()).token_ids
+    assert got == want
+
+
+# --------------------------------------------------------------------------- StaticKVCache units
+
+
+def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, layers: int = 2, max_len: int = 64):
+    """A StaticKVCache whose entry at (b, h, s, d) of layer l is unique, and the raw tensors."""
+    cache = StaticKVCache(layers, heads, dim, max_len=max_len)
+    start = cache.extend(batch, length)
+    raw = []
+    for layer in range(layers):
+        keys = torch.arange(batch * heads * length * dim, dtype=torch.float32).reshape(batch, heads, length, dim)
+        keys = keys + 10_000 * layer
+        values = -keys - 1
+        cache.update(layer, start, keys, values)
+        raw.append((keys, values))
+    return cache, raw
+
+
+def test_static_cache_len_and_layer_kv_of_an_empty_cache():
+    cache = StaticKVCache(2, 3, 4, max_len=16)
+    assert len(cache) == 0
+    keys, values = cache.layer_kv(1)
+    assert keys.shape == (1, 3, 0, 4) and values.shape == (1, 3, 0, 4)
+    cache, raw = filled_cache(length=7)
+    assert len(cache) == 7
+    assert torch.equal(cache.layer_kv(1)[0], raw[1][0]) and torch.equal(cache.layer_kv(1)[1], raw[1][1])
+
+
+def test_static_cache_keep_gathers_each_batch_rows_own_slots_behind_the_prefix():
+    cache, raw = filled_cache(batch=2, length=9)
+    prefix = 3
+    rows = torch.tensor([[0, 2, 5], [0, 1, 4]])  # per batch row, relative to the prefix
+    cache.keep(prefix, rows)
+    assert len(cache) == prefix + 3
+    for layer, (keys, values) in enumerate(raw):
+        got_k, got_v = cache.layer_kv(layer)
+        for b in range(2):
+            slots = list(range(prefix)) + (prefix + rows[b]).tolist()
+            assert torch.equal(got_k[b], keys[b][:, slots]), f"layer {layer} batch {b} keys"
+            assert torch.equal(got_v[b], values[b][:, slots]), f"layer {layer} batch {b} values"
+
+
+def test_static_cache_keep_with_one_path_for_the_whole_batch():
+    cache, raw = filled_cache(batch=2, length=8)
+    cache.keep(2, torch.tensor([0, 3, 5]))
+    slots = [0, 1, 2, 5, 7]
+    for layer, (keys, values) in enumerate(raw):
+        assert torch.equal(cache.layer_kv(layer)[0], keys[:, :, slots])
+        assert torch.equal(cache.layer_kv(layer)[1], values[:, :, slots])
+
+
+def test_static_cache_keep_of_a_contiguous_path_only_drops_the_rest():
+    cache, raw = filled_cache(batch=1, length=8)
+    cache.keep(4, torch.tensor([0, 1]))
+    assert len(cache) == 6
+    assert torch.equal(cache.layer_kv(0)[0], raw[0][0][:, :, :6])
+
+
+def test_static_cache_keep_refuses_rows_past_the_filled_slots():
+    cache, _ = filled_cache(length=8)
+    with pytest.raises(ValueError, match="rows"):
+        cache.keep(4, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="prefix_len"):
+        cache.keep(9, torch.tensor([0]))
+
+
+def test_static_cache_crop_moves_the_counter_and_new_writes_overwrite():
+    cache, raw = filled_cache(batch=1, length=8)
+    cache.crop(5)
+    assert len(cache) == 5
+    assert torch.equal(cache.layer_kv(1)[0], raw[1][0][:, :, :5])
+    start = cache.extend(1, 1)
+    assert start == 5
+    cache.update(0, start, torch.full((1, 3, 1, 4), 7.0), torch.full((1, 3, 1, 4), 8.0))
+    assert torch.equal(cache.layer_kv(0)[0][:, :, 5], torch.full((1, 3, 4), 7.0))
+    cache.crop(0)
+    assert len(cache) == 0 and cache.layer_kv(0)[0].shape == (1, 3, 0, 4)
+
+
+@pytest.mark.parametrize("length", [-1, 9])
+def test_static_cache_crop_outside_the_filled_slots_is_an_error(length):
+    cache, _ = filled_cache(length=8)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(length)
+
+
+def test_static_cache_refuses_to_exceed_max_len():
+    cache, _ = filled_cache(length=8, max_len=10)
+    cache.extend(2, 2)  # exactly full
+    with pytest.raises(ValueError, match="max_len 10"):
+        cache.extend(2, 1)
+
+
+def test_target_cache_overflow_past_the_context_is_a_clear_error():
+    target = sg.load_target(_model("llama"), fast=True)
+    cache = target.new_cache()
+    too_long = torch.zeros(1, cache.max_len + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="overflow"):
+        target.forward(too_long, cache, torch.zeros_like(too_long))
+
+
+def test_static_cache_grows_and_keeps_its_contents():
+    cache, raw = filled_cache(batch=1, length=8, max_len=2000)
+    first = cache.capacity
+    start = cache.extend(1, first)  # past the first allocation
+    assert cache.capacity >= 8 + first
+    assert torch.equal(cache.layer_kv(1)[0][:, :, :8], raw[1][0])
+    assert start == 8 and len(cache) == 8 + first
+
+
+def test_static_cache_refuses_another_batch_size():
+    cache, _ = filled_cache(batch=2, length=4)
+    with pytest.raises(ValueError, match="batch"):
+        cache.extend(1, 1)
+
+
+def test_the_tree_attention_check_runs_against_the_fast_path(monkeypatch):
+    """load_target's mask check sees the forward that will run: a fast path that dropped masks is refused."""
+    forward = FastLlama.forward
+
+    def ignoring_masks(self, ids, cache, positions, mask=None, *args):
+        return forward(self, ids, cache, positions, None, *args)
+
+    monkeypatch.setattr(FastLlama, "forward", ignoring_masks)
+    with pytest.raises(ValueError, match="ignores custom 4D attention masks"):
+        sg.load_target(_model("llama"), fast=True)
