@@ -74,15 +74,23 @@ class SpeculativeGenerator:
         self.tree = tree if tree is not None else Chain(depth=5)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, **options) -> GenerationOutput:
-        """Generate a completion; takes the same options as `stream`."""
+        """Generate a completion; takes the same options as `stream` (the same loop, without per-step text)."""
         ids: list[int] = []
-        stats = None
-        for chunk in self.stream(prompt, max_new_tokens, **options):
-            ids.extend(chunk.token_ids)
-            stats = chunk.stats or stats
-        return GenerationOutput(token_ids=ids, text=self.target.decode(ids), stats=stats)
+        for event in self._start(prompt, max_new_tokens, **options):
+            if isinstance(event, GenerationStats):
+                return GenerationOutput(token_ids=ids, text=self.target.decode(ids), stats=event)
+            ids.extend(event)
+        raise AssertionError("the decode loop ended without stats")
 
-    def stream(
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, **options) -> Iterator[StreamChunk]:
+        """Yield committed tokens step by step with their text; the last chunk carries the stats.
+
+        Takes the options of `_start` (temperature, top_k, top_p, min_p,
+        banned_token_ids, seed, eos_token_id, stop, ...).
+        """
+        yield from _stream_text(self.target, self._start(prompt, max_new_tokens, **options))
+
+    def _start(
         self,
         prompt: Prompt,
         max_new_tokens: int = 128,
@@ -97,8 +105,8 @@ class SpeculativeGenerator:
         stop: str | Sequence[str] | None = None,
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
-    ) -> Iterator[StreamChunk]:
-        """Yield committed tokens step by step.
+    ) -> Iterator[list[int] | GenerationStats]:
+        """Validate the options and run the decode loop: lists of committed tokens, then the stats.
 
         Args:
             prompt: text (encoded with the target's tokenizer) or token ids.
@@ -134,7 +142,7 @@ class SpeculativeGenerator:
         decode = self.target.decode if self.target.tokenizer is not None else None
         rule = StopRule(max_new_tokens, eos, stops, decode)
         decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids, policy, sampler, self.acceptance)
-        yield from _stream_text(self.target, decoding.run(rule))
+        return decoding.run(rule)
 
     def _prompt_ids(self, prompt: Prompt) -> torch.Tensor:
         if isinstance(prompt, str):
@@ -248,15 +256,26 @@ class Decoding:
 
 
 def _stream_text(target: Target, events: Iterator[list[int] | GenerationStats]) -> Iterator[StreamChunk]:
-    """Turn token events into chunks with text deltas; held back while a character is incomplete."""
+    """Turn token events into chunks with text deltas, decoding only the newest tokens.
+
+    Incremental detokenization (as vLLM does): decode the tokens since the
+    previous chunk's start with and without the new ones and emit the
+    difference, so a tokenizer's leading-space rules cancel out. Text is held
+    back while it ends in an incomplete character; the last chunk reconciles
+    with a full decode.
+    """
     ids: list[int] = []
     shown = ""
+    prefix, read = 0, 0  # ids[prefix:read] is text already shown, kept as decoding context
     for event in events:
         if isinstance(event, GenerationStats):
             yield StreamChunk(token_ids=[], text=target.decode(ids)[len(shown):], stats=event)
             return
         ids.extend(event)
-        text = target.decode(ids)
-        delta = "" if text.endswith("\ufffd") else text[len(shown):]
-        shown += delta
+        before = target.decode(ids[prefix:read])
+        text = target.decode(ids[prefix:])
+        delta = "" if text.endswith("\ufffd") or not text.startswith(before) else text[len(before):]
+        if delta:
+            shown += delta
+            prefix, read = read, len(ids)
         yield StreamChunk(token_ids=event, text=delta)

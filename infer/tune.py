@@ -54,7 +54,8 @@ def _star_tree(n: int, device) -> Tree:
 
 def measure_verify_cost(target: Target, sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 15, use_cache: bool = True) -> dict[int, float]:
     """n -> median forward time of n tree nodes after PREFIX_TOKENS, relative to n = 1 (interleaved)."""
-    key = f"{target.name}|{target.dtype}|{target.device}|threads={torch.get_num_threads()}"
+    path_kind = "fast" if getattr(target, "fast", None) is not None else "hf"  # the two forwards cost differently
+    key = f"{target.name}|{target.dtype}|{target.device}|{path_kind}|threads={torch.get_num_threads()}"
     path = cache_file()
     cached = json.loads(path.read_text()) if path.is_file() else {}
     if use_cache and key in cached and all(str(n) in cached[key] for n in sizes):

@@ -33,6 +33,10 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
         logits: (N, V) target logits at each node.
     """
     choice = logits.argmax(dim=-1)  # (N,) target's token after each node
+    if tree.is_chain:  # plain decoding and chains: the first mismatch ends the path, no mask needed
+        agree = (tree.tokens[1:] == choice[:-1]).tolist()
+        kept = agree.index(False) if False in agree else len(agree)
+        return Acceptance(path=torch.arange(kept + 1, device=choice.device), next_token=int(choice[kept]))
     match = torch.ones(tree.num_nodes, dtype=torch.bool, device=choice.device)
     match[1:] = tree.tokens[1:] == choice[tree.parents[1:]]
     # alive[i]: every node on i's path (itself included) matches.

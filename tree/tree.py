@@ -88,7 +88,7 @@ class Tree:
     @cached_property
     def is_chain(self) -> bool:
         """True when node i's parent is i - 1 throughout: plain causal attention suffices."""
-        return bool((self.parents[1:] == torch.arange(self.num_nodes - 1, device=self.parents.device)).all())
+        return self.num_nodes == 1 or bool((self.parents[1:] == torch.arange(self.num_nodes - 1, device=self.parents.device)).all())
 
     def ancestor_mask(self) -> torch.Tensor:
         """(N, N) bool: ``[i, j]`` is True when j is i or one of i's ancestors."""
