@@ -56,9 +56,9 @@ def check_target(signature: dict[str, Any], target: Target, where: str) -> None:
         )
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same directory, then rename: a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
@@ -85,11 +85,11 @@ def save_head(head: torch.nn.Module, out_dir: str | Path, target: Target, card: 
     }
     if hasattr(head, "save"):  # a head that is a whole model writes its own format (e.g. a transformers dir)
         head.save(out, target)
-        _atomic_write(out / SIDECAR, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(out / SIDECAR, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     else:
         tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-        _atomic_write(out / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        _atomic_write(out / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(out / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        atomic_write(out / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     readme = (
         f"# specgraft {config['head']['type']} head\n\n"
         f"Draft head for `{config['target']['name']}` (hidden {config['target']['hidden_size']}, "
@@ -98,7 +98,7 @@ def save_head(head: torch.nn.Module, out_dir: str | Path, target: Target, card: 
         f"target = sg.load_target({config['target']['name']!r})\n"
         f"drafter = sg.load_drafter({str(out)!r}, target)\n```\n\n{card}\n"
     )
-    _atomic_write(out / "README.md", lambda p: Path(p).write_text(readme))
+    atomic_write(out / "README.md", lambda p: Path(p).write_text(readme))
     return out
 
 

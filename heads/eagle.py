@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import EagleConfig
 from specgraft.heads.draft_round import DraftRound
+from specgraft.fast_llama import FastLlama, StaticKVCache
 from specgraft.target import KVCache, Target
 from specgraft.tree import Tree, TreePolicy, additive_mask
 from specgraft.tree.draw import DraftSampler
@@ -65,6 +66,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(llama, layer_idx=i) for i in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE: the fused input is not normed again
+        self.layer_config = llama
         self.rotary = LlamaRotaryEmbedding(llama)
         # The target's frozen embedding and lm_head: shared, not trained, not saved.
         self.register_buffer("embed_weight", target.model.get_input_embeddings().weight.detach(), persistent=False)
@@ -97,6 +99,27 @@ class EagleHead(nn.Module):
                 position_embeddings=position_embeddings,
             )
         return x
+
+    def fast(self) -> FastLlama:
+        """The lean inference path over this head's own layer weights (shared, so training updates show)."""
+        if getattr(self, "_fast", None) is None:
+            self._fast = FastLlama.for_layers(self.layers, self.layer_config, self.rotary)
+        return self._fast
+
+    @torch.inference_mode()
+    def draft_forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: StaticKVCache,
+    ) -> torch.Tensor:
+        """`forward` for drafting: the same maths without transformers' per-call machinery."""
+        features = features.to(self.fc.weight.dtype)
+        emb = F.embedding(tokens, self.embed_weight).to(features.dtype)
+        x = F.linear(torch.cat([emb, features], dim=-1), self.fc.weight, self.fc.bias)
+        return self.fast().run_layers(x, cache, position_ids, attention_mask)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head_weight.to(features.dtype).T
@@ -131,12 +154,13 @@ class EagleDrafter:
         self.device = target.device
         self.features = torch.zeros(0, target.config.hidden_size, device=self.device)  # (n, H) true f_0..f_{n-1}
         self.tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,) committed t_0..t_{n-1}
-        self.cache = KVCache()  # pair i at position i; between rounds only pairs of committed tokens and true features
+        self.max_len = target.max_context + 1024  # committed pairs plus a tree's worth of draft slots
+        self.cache = head.fast().new_cache(self.max_len)  # pair i in slot i; between rounds only committed pairs
 
     def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         self.features = hidden[self.hidden_layers[0]].float()
         self.tokens = prompt_ids.flatten().to(self.device)
-        self.cache = KVCache()
+        self.cache = self.head.fast().new_cache(self.max_len)
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         self.features = torch.cat([self.features, hidden[self.hidden_layers[0]].float()])
@@ -159,7 +183,7 @@ class EagleDrafter:
             start = len(self.cache)
             next_tokens = torch.cat([self.tokens[start + 1 :], torch.tensor([root_token], device=self.device)])
             positions = torch.arange(start, n, device=self.device)[None]
-            out = self.head(self.features[start:n][None], next_tokens[None], positions, cache=self.cache)
+            out = self.head.draft_forward(self.features[start:n][None], next_tokens[None], positions, None, self.cache)
             node_features[0] = out[0, -1]
             return self.head.logits(out[0, -1])
 
@@ -167,7 +191,7 @@ class EagleDrafter:
             parents = tree.parents[nodes].tolist()
             feats = torch.stack([node_features[p] for p in parents])[None]  # (1, F, H)
             mask = additive_mask(visible, feats.dtype)
-            out = self.head(feats, tree.tokens[nodes][None], positions[None], mask, cache=self.cache)[0]
+            out = self.head.draft_forward(feats, tree.tokens[nodes][None], positions[None], mask, self.cache)[0]
             node_features.update(zip(nodes.tolist(), out))
             return self.head.logits(out)
 

@@ -88,6 +88,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_extract_features(args: argparse.Namespace) -> int:
+    from specgraft.config import load_config
+    from specgraft.train.pipeline import run_feature_extraction
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"features in {run_feature_extraction(cfg)}")
+    return 0
+
+
 def cmd_regenerate(args: argparse.Namespace) -> int:
     from specgraft.config import load_config
     from specgraft.train.pipeline import run_regeneration
@@ -168,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (
         ("train", cmd_train, "train a draft head (one process; use deepspeed --module specgraft.train for many)"),
         ("regenerate", cmd_regenerate, "self-distillation only: the target writes the config's training data"),
+        ("extract-features", cmd_extract_features, "write the hidden states the head needs as sharded safetensors"),
     ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("config", help="YAML training config (see recipes/)")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -180,7 +182,7 @@ class StaticKVCache:
 class _Layer:
     """References to one decoder layer's HF parameters (None where the model has no such weight)."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: no input norm (EAGLE's draft layer)
     q: torch.Tensor
     q_bias: torch.Tensor | None
     k: torch.Tensor
@@ -204,7 +206,7 @@ def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
-        input_norm=layer.input_layernorm.weight,
+        input_norm=getattr(layer.input_layernorm, "weight", None),
         q=attn.q_proj.weight, q_bias=attn.q_proj.bias,
         k=attn.k_proj.weight, k_bias=attn.k_proj.bias,
         v=attn.v_proj.weight, v_bias=attn.v_proj.bias,
@@ -262,9 +264,26 @@ class FastLlama:
         self.rotary = model.model.rotary_emb
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos, signed sin
 
+    @classmethod
+    def for_layers(cls, layers: Sequence[nn.Module], config, rotary: nn.Module) -> FastLlama:
+        """Only the decoder math over given Llama decoder layers (a draft head's), for `run_layers`."""
+        self = cls.__new__(cls)
+        self.model = None
+        self.num_layers = len(layers)
+        self.num_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.embed = self.final_norm = self.lm_head = self.lm_head_bias = None
+        self.layers = [_layer(layer) for layer in layers]
+        self.rotary = rotary
+        self._rope_table = None
+        return self
+
     def new_cache(self, max_len: int) -> StaticKVCache:
+        weight = self.layers[0].q
         return StaticKVCache(
-            self.num_layers, self.kv_heads, self.head_dim, max_len=max_len, dtype=self.embed.dtype, device=self.embed.device
+            self.num_layers, self.kv_heads, self.head_dim, max_len=max_len, dtype=weight.dtype, device=weight.device
         )
 
     @torch.inference_mode()
@@ -285,9 +304,35 @@ class FastLlama:
         layer i, num_layers the output of the final norm; negative ones count
         from the end as in HF's tuple.
         """
-        b, t = input_ids.shape
-        start = cache.extend(b, t)  # new tokens take slots [start, start + t)
         x = F.embedding(input_ids, self.embed)  # (B, T, H)
+        count = self.num_layers + 1
+        if any(not -count <= i < count for i in hidden_layers):
+            raise IndexError(
+                f"hidden_layers {tuple(hidden_layers)}: a {self.num_layers}-layer model has hidden states 0..{self.num_layers}"
+            )
+        wanted = {i % count for i in hidden_layers}
+        states: dict[int, torch.Tensor] = {}
+        x = self.run_layers(x, cache, position_ids, attention_mask, wanted, states)
+        x = rms_norm(x, self.final_norm, self.eps)  # (B, T, H)
+        if self.num_layers in wanted:
+            states[self.num_layers] = x
+        if last_only:
+            x = x[:, -1:]
+        logits = F.linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
+        return logits, {i: states[i % count] for i in hidden_layers}
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        cache: StaticKVCache,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        wanted: set[int] = frozenset(),
+        states: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers over (B, T, H) inputs after the cache's slots; inputs of ``wanted`` layers go to ``states``."""
+        b, t, _ = x.shape
+        start = cache.extend(b, t)  # new tokens take slots [start, start + t)
         cos, sin = self._rope(x, position_ids)  # (B, T, 1, D) each
         mask, causal = attention_mask, False
         if mask is None and t > 1:
@@ -298,28 +343,14 @@ class FastLlama:
         # On CPU SDPA handles grouped-query heads itself, fastest with a mask; CUDA's fused kernels need
         # enable_gqa without a mask, so there the keys/values are repeated instead.
         repeat = self.num_heads // self.kv_heads if (x.device.type != "cpu" and mask is not None) else 1
-
-        count = self.num_layers + 1
-        if any(not -count <= i < count for i in hidden_layers):
-            raise IndexError(
-                f"hidden_layers {tuple(hidden_layers)}: a {self.num_layers}-layer model has hidden states 0..{self.num_layers}"
-            )
-        wanted = {i % count for i in hidden_layers}
-        states: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if i in wanted:
+            if states is not None and i in wanted:
                 states[i] = x
-            h = rms_norm(x, layer.input_norm, self.eps)
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
             x = x + self._attention(i, layer, h, cos, sin, cache, start, mask, causal, repeat)
             h = rms_norm(x, layer.post_norm, self.eps)
             x = x + self._mlp(layer, h)
-        x = rms_norm(x, self.final_norm, self.eps)  # (B, T, H)
-        if self.num_layers in wanted:
-            states[self.num_layers] = x
-        if last_only:
-            x = x[:, -1:]
-        logits = F.linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
-        return logits, {i: states[i % count] for i in hidden_layers}
+        return x
 
     def _attention(
         self, index: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

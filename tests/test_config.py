@@ -48,6 +48,7 @@ def test_minimal_config_gets_defaults(tmp_path, files):
     assert cfg.head == MedusaConfig()
     assert cfg.training.lr == 1e-3 and cfg.training.schedule == "cosine" and cfg.training.zero_stage == 0
     assert cfg.training.resume == "auto" and cfg.training.features == "online"
+    assert cfg.training.features_dir is None and cfg.training.feature_dtype is None  # output_dir/features, target.dtype
     assert cfg.tracking.wandb == "disabled"  # the default needs no wandb account
     assert cfg.tree == "chain:5"
     assert cfg.eval.prompts is None
@@ -92,8 +93,9 @@ def test_relative_paths_resolve_against_the_working_directory(tmp_path, files, m
     (config_dir / "beside.jsonl").write_text('{"text": "x"}\n')
     monkeypatch.chdir(work)
 
-    cfg = load_config(write(config_dir, minimal(files, data={"train": "mine.jsonl"})))
+    cfg = load_config(write(config_dir, minimal(files, data={"train": "mine.jsonl"})), ["training.features_dir=cache"])
     assert cfg.data.train == str(work / "mine.jsonl")
+    assert cfg.training.features_dir == str(work / "cache")
 
     with pytest.raises(FileNotFoundError, match="working directory"):
         load_config(write(config_dir, minimal(files, data={"train": "beside.jsonl"})))

@@ -186,3 +186,17 @@ def test_bad_head_directories_name_the_file(tiny_target, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="num_heads"):
         load_drafter(tmp_path / "m", tiny_target)
+
+
+def test_eagle_draft_path_matches_the_training_forward(tiny_target):
+    """The lean drafting forward and the transformers-module forward compute the same features."""
+    head = build_head(EagleConfig(num_layers=2), tiny_target).eval()
+    torch.manual_seed(0)
+    for p in head.parameters():
+        p.data.normal_(0, 0.2)
+    feats = torch.randn(1, 6, tiny_target.config.hidden_size)
+    tokens = torch.randint(0, 97, (1, 6))
+    positions = torch.arange(6)[None]
+    reference = head(feats, tokens, positions)
+    fast = head.draft_forward(feats, tokens, positions, None, head.fast().new_cache(64))
+    assert torch.allclose(fast, reference, atol=1e-5)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from toy_train import ToyHead, collate, greedy_examples
 
 from specgraft.config import load_config
-from specgraft.train.features import OfflineFeatures, target_batch
+from specgraft.train.features import FeatureCache, extract_features, target_batch
 from specgraft.train.trainer import Trainer, latest_checkpoint, lr_factor
 
 TOY_TRAIN = Path(__file__).with_name("toy_train.py")
@@ -89,7 +89,7 @@ def test_lr_schedule_warms_up_then_decays():
     assert decay == sorted(decay, reverse=True)
 
 
-def test_target_batch_matches_the_full_forward_and_offline_features_match_it(stories, examples):
+def test_target_batch_matches_the_full_forward_and_offline_features_match_it(stories, examples, tmp_path, data_file):
     batch = collate([examples[0], {"input_ids": examples[1]["input_ids"][:20], "loss_mask": examples[1]["loss_mask"][:20]}])
     layers = (2, stories.num_layers)
     online = target_batch(stories, batch, layers)
@@ -100,14 +100,20 @@ def test_target_batch_matches_the_full_forward_and_offline_features_match_it(sto
     torch.testing.assert_close(online.hidden[2][1, :20], alone.hidden_states[2][0], rtol=1e-4, atol=1e-4)
     assert not online.hidden[2].requires_grad and online.loss_mask.dtype == torch.float32
 
-    offline = OfflineFeatures(stories, layers)
-    for _ in range(2):  # computed, then served from the cache
-        cached = offline([7, 9], batch)
+    # The batch's rows are examples 7 and 9 of the cached data.
+    data = [examples[i] for i in range(10)]
+    data[7], data[9] = examples[0], {k: v[:20] for k, v in examples[1].items()}
+    cfg = load_config(write_config(tmp_path, stories, data_file))
+    summary = extract_features(cfg, stories, data, layers, tmp_path / "features", shard_size=4, progress=False)
+    assert len(summary.written) == 3  # examples 0-3, 4-7, 8-9
+    offline = FeatureCache(tmp_path / "features", stories, layers, examples=data)
+    for _ in range(2):  # the first read opens the shards, the second reuses them
+        cached = offline.batch([7, 9], batch)
         real = batch["attention_mask"].bool()
         torch.testing.assert_close(cached.target_logits[real], online.target_logits[real], rtol=1e-5, atol=1e-5)
         for layer in layers:
             torch.testing.assert_close(cached.hidden[layer][real], online.hidden[layer][real])
-    assert sorted(offline.store) == [7, 9]
+    assert sorted(offline._open) == [1, 2]  # only the shards holding examples 7 and 9 were opened
 
 
 def test_target_batch_names_a_bad_layer(stories, examples):
@@ -195,7 +201,7 @@ def test_resume_refuses_a_different_batch_layout(stories, tmp_path, data_file, e
 
 
 def test_offline_features_train_like_online(stories, tmp_path, data_file, examples):
-    """The cached features (logits rebuilt from the last hidden state) give the online run's losses."""
+    """The feature cache (logits rebuilt from the last hidden state) gives the online run's losses."""
     curves = {}
     for mode in ("online", "offline"):
         cfg = load_config(
@@ -205,7 +211,9 @@ def test_offline_features_train_like_online(stories, tmp_path, data_file, exampl
         trainer = Trainer(cfg, target=stories, head=ToyHead(stories), train_data=examples, collate=collate)
         trainer.fit()
         curves[mode] = losses(tmp_path / mode)
-    assert len(trainer._features.store) == len(examples)  # every example's features computed once, in epoch 1
+    cache = FeatureCache(tmp_path / "offline" / "features", stories, trainer.head.hidden_layers, examples=examples)
+    assert len(cache) == len(examples)  # every example's features extracted once, before training
+    assert not (tmp_path / "online" / "features").exists()
     assert curves["offline"] == pytest.approx(curves["online"], abs=1e-4)
 
 

@@ -2,7 +2,9 @@
 
 Order: process group (so each rank knows its device), target, optional
 self-distillation (rank 0 writes, the others wait), records, tokenization,
-train/held-out split, head, evaluator, `Trainer`.
+train/held-out split, head, evaluator, `Trainer` (which extracts the offline
+feature cache first under ``features: offline``). `run_feature_extraction`
+does the same loading for the cache alone.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from specgraft.config import TrainConfig
 from specgraft.target import Target, load_target
-from specgraft.train.trainer import Trainer, init_distributed, shutdown_distributed
+from specgraft.train.trainer import DistEnv, Trainer, init_distributed, shutdown_distributed
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +32,8 @@ def run_training(cfg: TrainConfig) -> Path:
         torch.set_num_threads(cfg.training.num_threads)
     env = init_distributed()
     try:
-        device = env.device if env.device.type == "cuda" else cfg.target.device
-        target = load_target(
-            cfg.target.path, dtype=cfg.target.dtype, device=device, attn_implementation=cfg.target.attn_implementation
-        )
-        if target.tokenizer is None:
-            raise ValueError(f"target.path={cfg.target.path!r} has no tokenizer; training data is text")
-        source = _regenerate(cfg, target, env.is_main) if cfg.data.regenerate is not None else cfg.data.train
-        records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
-        dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
-        train, heldout = data_lib.train_eval_split(dataset.examples, cfg.data.eval_fraction, seed=cfg.training.seed)
-        if env.is_main:
-            log.info(
-                "%d training and %d held-out sequences from %s (%d without trained tokens dropped)",
-                len(train), len(heldout), source, dataset.dropped,
-            )
+        target = _load_target(cfg, env)
+        train, heldout = _training_data(cfg, target, env.is_main)
         torch.manual_seed(cfg.training.seed)  # the head's initialisation (DeepSpeed then copies rank 0's to all)
         head = build_head(cfg.head, target)
         if hasattr(head, "set_draft_vocab"):  # EAGLE-3: the most frequent target tokens of the training data
@@ -66,6 +55,62 @@ def run_training(cfg: TrainConfig) -> Path:
         return trainer.fit()
     finally:
         shutdown_distributed(env)
+
+
+def run_feature_extraction(cfg: TrainConfig) -> Path:
+    """``specgraft extract-features CONFIG``: write the offline feature cache a ``features: offline`` run reads.
+
+    Loads the target and the training split exactly as `run_training` does (regenerating first if the
+    config says so), builds the head only to learn which hidden states it reads, and extracts on rank 0
+    (resuming an interrupted cache). Returns the cache directory (``training.features_dir``).
+    """
+    from specgraft.heads import build_head
+    from specgraft.train.features import extract_features, features_dir
+
+    if cfg.training.num_threads:
+        torch.set_num_threads(cfg.training.num_threads)
+    env = init_distributed()
+    try:
+        target = _load_target(cfg, env)
+        train, _ = _training_data(cfg, target, env.is_main)
+        hidden_layers = build_head(cfg.head, target).hidden_layers  # the head itself is not needed
+        path = features_dir(cfg)
+        if env.is_main:
+            extract_features(cfg, target, train, hidden_layers, path)
+        dist.barrier()
+        return path
+    finally:
+        shutdown_distributed(env)
+
+
+def _load_target(cfg: TrainConfig, env: DistEnv) -> Target:
+    """The frozen target on this rank's device (its GPU under CUDA, else ``target.device``); it must have a tokenizer."""
+    device = env.device if env.device.type == "cuda" else cfg.target.device
+    target = load_target(
+        cfg.target.path, dtype=cfg.target.dtype, device=device, attn_implementation=cfg.target.attn_implementation
+    )
+    if target.tokenizer is None:
+        raise ValueError(f"target.path={cfg.target.path!r} has no tokenizer; training data is text")
+    return target
+
+
+def _training_data(cfg: TrainConfig, target: Target, is_main: bool) -> tuple[list[dict], list[dict]]:
+    """Tokenized (train, held-out) examples, after self-distillation when ``data.regenerate`` is set.
+
+    The train split's order is what the trainer's indices, and the offline feature cache, refer to.
+    """
+    from specgraft.train import data as data_lib
+
+    source = _regenerate(cfg, target, is_main) if cfg.data.regenerate is not None else cfg.data.train
+    records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
+    dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
+    train, heldout = data_lib.train_eval_split(dataset.examples, cfg.data.eval_fraction, seed=cfg.training.seed)
+    if is_main:
+        log.info(
+            "%d training and %d held-out sequences from %s (%d without trained tokens dropped)",
+            len(train), len(heldout), source, dataset.dropped,
+        )
+    return train, heldout
 
 
 def run_regeneration(cfg: TrainConfig) -> str:

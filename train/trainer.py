@@ -13,8 +13,8 @@ One loop serves every launch:
     torchrun --nproc_per_node 8 -m specgraft.train CONFIG.yaml
 
 Each rank runs the frozen target on its own shard of every batch (online
-features), so the target is replicated, never wrapped; DeepSpeed averages
-the head's gradients across ranks.
+features), or reads its rows of the offline feature cache, so the target is
+replicated, never wrapped; DeepSpeed averages the head's gradients across ranks.
 
 Checkpoints (``output_dir/checkpoints/step_XXXXXXXX``) hold DeepSpeed's
 module, optimizer and scheduler states, every rank's RNG state and the step;
@@ -53,7 +53,7 @@ from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
 from specgraft.heads.base import TrainableHead
 from specgraft.heads.checkpoint import save_head
 from specgraft.target import Target
-from specgraft.train.features import OfflineFeatures, target_batch
+from specgraft.train.features import FeatureCache, extract_features, features_dir, target_batch
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class Trainer:
         self.head = self.engine.module  # the same module, moved and cast by DeepSpeed
 
         if t.features == "offline":
-            self._features = OfflineFeatures(self.target, self.head.hidden_layers)
+            self._features = self._feature_cache().batch
         else:
             self._features = lambda indices, batch: target_batch(self.target, batch, self.head.hidden_layers)
         self._prepare_output()
@@ -290,6 +290,18 @@ class Trainer:
         if self.env.is_main:
             self._truncate_metrics()
             self._start_tracking()
+
+    def _feature_cache(self) -> FeatureCache:
+        """Rank 0 extracts the offline feature cache (or completes an interrupted one); every rank then reads it.
+
+        The other ranks wait at a barrier, under the process group's timeout; for a long extraction
+        on many ranks run ``specgraft extract-features CONFIG`` first (a complete cache is reused).
+        """
+        path = features_dir(self.cfg)
+        if self.env.is_main:
+            extract_features(self.cfg, self.target, self.train_data, self.head.hidden_layers, path)
+        dist.barrier()
+        return FeatureCache(path, self.target, self.head.hidden_layers, examples=self.train_data)
 
     def _prepare_output(self) -> None:
         if self.env.is_main:

@@ -1,0 +1,581 @@
+"""`specgraft quickstart`: the whole pipeline, offline, in one command.
+
+    specgraft quickstart                                    # the embedded demo target (about 12 minutes on 2 cores)
+    specgraft quickstart --target ../shared/models/stories260K --samples 800 --train-minutes 2
+    specgraft quickstart --resume                           # after a failure: finished stages are reused
+
+Four stages, each a line with its time:
+
+1. ``target``: with no ``--target``, a small Llama trained on the Python
+   standard library's own source (`specgraft.train.demo_target`), cached under
+   the user cache directory, so only the first run pays for it. With
+   ``--target``, any HF causal LM (a directory or hub id) is loaded and checked.
+2. ``data``: prompts, then self-distillation (`specgraft.train.regenerate`):
+   the target writes the sequences its head learns from. Demo prompts are the
+   first two lines of stdlib functions and classes from files the target never
+   trained on, plus samples from BOS; other targets use ``--prompts`` or
+   openings they sample themselves from BOS. Bench prompts are a disjoint set.
+3. ``train``: an EAGLE head through the DeepSpeed trainer (one process),
+   from a `TrainConfig` built here; ``--train-minutes`` becomes a step budget
+   from a measured step time.
+4. ``bench``: `specgraft.infer.bench.run_bench` with the head (a chain and an
+   EAGLE-2 dynamic tree) against plain decoding and HF ``generate``, greedy, so
+   it also checks that every output is token-identical to HF's.
+
+Each finished stage leaves ``OUT/stages/NAME.json`` (its settings, outputs and
+time). ``--resume`` reuses a stage whose settings are unchanged; a stage that
+runs again invalidates the ones after it. A failure names the stage and the
+command that resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specgraft.train.demo_target import DemoTargetSpec
+
+log = logging.getLogger(__name__)
+
+STAGES = ("target", "data", "train", "bench")
+STAGE_DIR = "stages"
+BENCH_PROMPTS_FILE = "bench_prompts.jsonl"
+# A target below this many parameters trains and decodes fastest on one thread (MEASURED.md:
+# 2 threads can be 10-30x slower for a 260K model); above it torch's default is kept.
+ONE_THREAD_BELOW = 20_000_000
+DEMO_NOTE = (
+    "Note: the demo target is a smoke test. It writes Python-shaped but meaningless text, and its greedy output "
+    "often falls into repetition loops; part of any drafter's gain here (and all of prompt lookup's) comes from "
+    "those loops. Run `specgraft quickstart --target MODEL` for a real model's numbers."
+)
+
+
+@dataclass
+class QuickstartConfig:
+    """Every size of a quickstart run. The defaults fit 15 minutes on 2 free CPU cores, demo target included."""
+
+    out_dir: Path = Path("specgraft-quickstart")
+    target: str | None = None  # None: the demo target
+    demo: DemoTargetSpec = field(default_factory=DemoTargetSpec)
+    demo_minutes: float = 6.5  # wall-clock cap on the demo target's training (its schedule shrinks to fit)
+    prompts: str | None = None  # prompts file (any `read_prompt_file` format); None: see the module docstring
+    samples: int = 1600  # self-distilled sequences
+    sample_tokens: int = 160  # new tokens per self-distilled sequence
+    regenerate_batch: int = 64
+    max_length: int = 192  # tokens per training sequence (prompt + reply)
+    train_minutes: float = 3.0  # the head's training budget, extraction included
+    max_epochs: int = 30  # never more, however fast the machine
+    lr: float = 3e-3  # stories260K-sized heads converged faster at 3e-3 than at 1e-3 (MEASURED.md)
+    micro_batch_size: int = 16
+    eval_fraction: float = 0.02  # held-out sequences for per-depth accuracy
+    bench_prompts: int = 20
+    max_new_tokens: int = 128
+    trees: tuple[str, ...] = ("chain:5", "dynamic:4,5,16")
+    resume: bool = False
+    cache_dir: Path | None = None  # None: $XDG_CACHE_HOME/specgraft or ~/.cache/specgraft
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir).expanduser().resolve()
+        positive = ("samples", "sample_tokens", "regenerate_batch", "max_length", "max_epochs", "micro_batch_size",
+                    "bench_prompts", "max_new_tokens")
+        bad = [f"{name}={getattr(self, name)}" for name in positive if getattr(self, name) < 1]
+        bad += [f"{name}={getattr(self, name)}" for name in ("train_minutes", "demo_minutes", "lr") if getattr(self, name) <= 0]
+        if bad:
+            raise ValueError(f"quickstart sizes must be positive: {', '.join(bad)}")
+        from specgraft.tree import parse_tree_spec
+
+        for spec in self.trees:
+            parse_tree_spec(spec)
+        if self.prompts is not None and not Path(self.prompts).expanduser().is_file():
+            raise FileNotFoundError(f"--prompts {self.prompts!r} does not exist")
+        if self.prompts is not None and self.target is None:
+            raise ValueError("--prompts needs --target: the demo target's prompts come from the standard library")
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; carries the stage's name and how long it ran."""
+
+    def __init__(self, stage: str, seconds: float, cause: BaseException) -> None:
+        super().__init__(f"stage {stage!r} failed after {_duration(seconds)}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.seconds = seconds
+        self.cause = cause
+
+
+@dataclass
+class StageResult:
+    outputs: dict[str, Any]  # what later stages read (paths, names, sizes)
+    summary: str  # the stage's line
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or resume) every stage; return the merged outputs of all stages.
+
+    Raises:
+        StageFailed: a stage raised; finished stages keep their markers.
+    """
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars at every load; the stages show their own
+    datasets_logging.disable_progress_bar()  # "Generating train split" at every data load
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    markers = cfg.out_dir / STAGE_DIR
+    markers.mkdir(exist_ok=True)
+    outputs: dict[str, Any] = {}
+    key: dict[str, Any] = {}
+    rerun = not cfg.resume
+    total_start = time.perf_counter()
+    for number, stage in enumerate(STAGES, start=1):
+        key = {"previous": key, **_stage_key(cfg, stage)}
+        marker = markers / f"{stage}.json"
+        label = f"[{number}/{len(STAGES)}] {stage:<6}"
+        done = _read_marker(marker)
+        if not rerun and done is not None and done["key"] == key:
+            outputs.update(done["outputs"])
+            echo(f"{label} reused from an earlier run ({_duration(done['seconds'])} then): {done['summary']}")
+            continue
+        if not rerun and done is not None:
+            echo(f"{label} settings changed since the earlier run: running it again, and every stage after it")
+        rerun = True
+        for later in STAGES[number - 1 :]:
+            (markers / f"{later}.json").unlink(missing_ok=True)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        try:
+            result = STAGE_FUNCTIONS[stage](cfg, outputs)
+        except (Exception, KeyboardInterrupt) as err:
+            raise StageFailed(stage, time.perf_counter() - start, err) from err
+        seconds = time.perf_counter() - start
+        outputs.update(result.outputs)
+        marker.write_text(json.dumps(
+            {"stage": stage, "key": key, "seconds": round(seconds, 1),
+             "cpu_seconds": round(time.process_time() - cpu_start, 1), "outputs": result.outputs, "summary": result.summary},
+            indent=2,
+        ) + "\n")
+        echo(f"{label} {_duration(seconds):>6}  {result.summary}")
+    outputs["total_seconds"] = round(time.perf_counter() - total_start, 1)
+    return outputs
+
+
+def _stage_key(cfg: QuickstartConfig, stage: str) -> dict[str, Any]:
+    """The settings a stage's result depends on (chained to the previous stage's by `run_quickstart`)."""
+    if stage == "target":
+        return {"target": cfg.target} if cfg.target else {"demo": asdict(cfg.demo)}
+    if stage == "data":
+        prompts = str(Path(cfg.prompts).expanduser().resolve()) if cfg.prompts else None
+        return {k: getattr(cfg, k) for k in ("samples", "sample_tokens", "bench_prompts", "seed")} | {"prompts": prompts}
+    if stage == "train":
+        return {k: getattr(cfg, k) for k in ("max_length", "train_minutes", "max_epochs", "lr", "micro_batch_size", "eval_fraction")}
+    return {"max_new_tokens": cfg.max_new_tokens, "trees": list(cfg.trees)}
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def _threads_for(target) -> int | None:
+    params = sum(p.numel() for p in target.model.parameters())
+    return 1 if params < ONE_THREAD_BELOW else None
+
+
+def _load(path: str):
+    import specgraft as sg
+
+    return sg.load_target(path)
+
+
+# ---------------------------------------------------------------------------- 1. target
+
+
+def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+    if cfg.target is not None:
+        target = _load(cfg.target)
+        if target.tokenizer is None:
+            raise ValueError(f"--target {cfg.target!r} has no tokenizer; the quickstart trains on text")
+        params = sum(p.numel() for p in target.model.parameters())
+        path = str(Path(cfg.target).expanduser().resolve()) if Path(cfg.target).expanduser().exists() else cfg.target
+        return StageResult(
+            {"target_path": path, "demo": False, "target_params": params},
+            f"{target.name} ({params / 1e6:.2f}M parameters, {target.num_layers} layers, vocab {target.vocab_size})",
+        )
+    from specgraft.train.demo_target import ensure_demo_target, pick_threads
+
+    threads = pick_threads(cfg.demo)
+    demo = ensure_demo_target(
+        cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, threads=threads, progress=cfg.progress
+    )
+    info = demo.info
+    how = "cached" if demo.cached else f"trained on {threads} thread(s)"
+    cut = f", cut to {info['steps_done']} steps by the {info['max_minutes']}-minute cap" if info["cut_by_wall_clock"] else ""
+    summary = (
+        f"demo target {how}: {info['parameters'] / 1e6:.1f}M-parameter Llama, {info['steps_done']} steps on "
+        f"{info['corpus']['bytes'] / 1e6:.1f} MB of stdlib source{cut}, held-out {info['heldout_bits_per_byte']:.2f} "
+        f"bits/byte -> {demo.path}"
+    )
+    return StageResult(
+        {"target_path": str(demo.path), "demo": True, "target_params": info["parameters"],
+         "demo_cached": demo.cached},
+        summary,
+    )
+
+
+# ---------------------------------------------------------------------------- 2. data
+
+
+def _demo_prompts(cfg: QuickstartConfig, target_path: str) -> list[str]:
+    """Openings of functions and classes in the files the demo target never trained on, in a seeded order."""
+    from specgraft.train.demo_target import TRAINING_FILE, function_openings, stdlib_files
+
+    info = json.loads((Path(target_path) / TRAINING_FILE).read_text())
+    heldout = set(info["corpus"]["heldout_paths"])
+    files = [f for f in stdlib_files(max_bytes=cfg.demo.corpus_bytes) if f.path in heldout]
+    openings = function_openings(files)
+    random.Random(cfg.seed).shuffle(openings)
+    return openings
+
+
+def _sampled_openings(cfg: QuickstartConfig, target, count: int) -> list[str]:
+    """Prompts the target writes itself: the start of ``count`` samples from BOS (a seed training never uses)."""
+    from specgraft.train.regenerate import regenerate
+
+    if target.tokenizer.bos_token_id is None:
+        raise ValueError(
+            f"target {target.name!r} has no BOS token to sample its own prompts from: pass --prompts FILE "
+            "(Spec-Bench / MT-bench jsonl, HumanEval, GSM8K or one prompt per line)"
+        )
+    path = cfg.out_dir / "openings.jsonl"
+    regenerate(target, [], path, max_new_tokens=16, temperature=1.0, batch_size=max(count, 1), seed=cfg.seed + 1,
+               resume=False, num_from_bos=count, progress=False)
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    # Cut at the last space so a prompt never ends inside a word.
+    openings = [t[: t.rfind(" ")] if t.count(" ") >= 2 else t for t in texts]
+    return [o for o in openings if o.strip()]
+
+
+def _prompt_record(target, index: int, text: str) -> dict | str:
+    """A regeneration input: a user turn for a chat model (it answers in its template), else a text to continue."""
+    if getattr(target.tokenizer, "chat_template", None):
+        return {"id": f"p{index}", "messages": [{"role": "user", "content": text}]}
+    return {"id": f"p{index}", "text": text}
+
+
+def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+    from specgraft.infer.bench import read_prompt_file
+    from specgraft.train.regenerate import regenerate
+
+    target = _load(outputs["target_path"])
+    before = torch.get_num_threads()
+    threads = _threads_for(target)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        if outputs["demo"]:
+            prompts, source = _demo_prompts(cfg, outputs["target_path"]), "stdlib openings"
+        elif cfg.prompts:
+            prompts, source = [p.text for p in read_prompt_file(cfg.prompts)], Path(cfg.prompts).name
+        else:
+            prompts, source = _sampled_openings(cfg, target, cfg.bench_prompts), "openings sampled from BOS"
+        if len(prompts) < cfg.bench_prompts:
+            raise ValueError(f"{len(prompts)} prompts from {source}: fewer than the {cfg.bench_prompts} bench prompts")
+        bench, rest = prompts[: cfg.bench_prompts], prompts[cfg.bench_prompts :]
+        bench_file = cfg.out_dir / BENCH_PROMPTS_FILE
+        category = "stdlib" if outputs["demo"] else "quickstart"
+        bench_file.write_text("".join(
+            json.dumps({"question_id": i, "category": category, "turns": [p]}) + "\n" for i, p in enumerate(bench)
+        ))
+        # Half the sequences continue prompts (when there are any beyond the bench's), the rest start from BOS.
+        use_bos = target.tokenizer.bos_token_id is not None
+        n_prompted = min(len(rest), cfg.samples // 2 if use_bos else cfg.samples)
+        inputs = [_prompt_record(target, i, p) for i, p in enumerate(rest[:n_prompted])]
+        data_file = cfg.out_dir / "selfdistill.jsonl"
+        summary = regenerate(
+            target, inputs, data_file, max_new_tokens=cfg.sample_tokens, temperature=1.0,
+            batch_size=cfg.regenerate_batch, seed=cfg.seed, resume=cfg.resume,
+            num_from_bos=cfg.samples - n_prompted if use_bos else 0, progress=cfg.progress,
+        )
+    finally:
+        torch.set_num_threads(before)
+    written = summary.written + summary.skipped
+    return StageResult(
+        {"data_file": str(data_file), "bench_prompts_file": str(bench_file), "sequences": written},
+        f"{written} self-distilled sequences of up to {cfg.sample_tokens} new tokens ({n_prompted} continue "
+        f"{source}, {written - n_prompted} from BOS); {len(bench)} bench prompts -> {data_file}",
+    )
+
+
+# ---------------------------------------------------------------------------- 3. train
+
+
+def train_config(cfg: QuickstartConfig, outputs: dict[str, Any], *, max_steps: int, epochs: int, threads: int | None):
+    """The `TrainConfig` of the head: EAGLE-1/2, offline features, cosine schedule, one process."""
+    from specgraft.config import TrainConfig
+
+    return TrainConfig.model_validate({
+        "target": {"path": outputs["target_path"]},
+        "head": {"type": "eagle"},
+        "data": {"train": outputs["data_file"], "max_length": cfg.max_length, "eval_fraction": cfg.eval_fraction},
+        "training": {
+            "output_dir": str(cfg.out_dir / "train"),
+            "epochs": epochs,
+            "max_steps": max_steps,
+            "micro_batch_size": cfg.micro_batch_size,
+            "lr": cfg.lr,
+            "warmup_ratio": 0.03,
+            "schedule": "cosine",
+            "save_every": 0,  # the quickstart resumes whole stages; mid-training checkpoints would cost time
+            "log_every": 10,
+            "resume": "never",
+            "num_threads": threads,
+            "seed": cfg.seed,
+            # The target runs once per sequence, not once per epoch: it costs about as much as the head's step.
+            "features": "offline",
+        },
+        "tree": cfg.trees[0],
+    })
+
+
+@dataclass
+class StepCost:
+    """Measured seconds: the target's forward over one micro-batch, and one head training step."""
+
+    target_s: float
+    step_s: float
+
+    def steps_within(self, seconds: float, batches_per_epoch: int) -> int:
+        """Optimizer steps that fit ``seconds`` after one feature-extraction pass over the data."""
+        return max(1, int((seconds - batches_per_epoch * self.target_s) / self.step_s))
+
+
+def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
+    """Time the target over a micro-batch and a few EAGLE head steps (forward, backward, AdamW) on it."""
+    from specgraft.heads import build_head
+    from specgraft.heads.configs import EagleConfig
+    from specgraft.train.data import collate
+    from specgraft.train.features import target_batch
+
+    pad = target.tokenizer.pad_token_id
+    batch = collate(examples[:micro_batch_size], pad_token_id=pad if pad is not None else 0)
+    head = build_head(EagleConfig(), target).train()
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    with torch.random.fork_rng():
+        start = time.perf_counter()
+        features = target_batch(target, batch, head.hidden_layers)
+        target_s = time.perf_counter() - start
+        times = []
+        for _ in range(repeats + 1):  # the first step warms up allocators and kernels
+            start = time.perf_counter()
+            loss, _ = head.loss(features)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+    return StepCost(target_s=target_s, step_s=min(times[1:]))
+
+
+def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+    from specgraft.train.data import TokenizedDataset, load_records, train_eval_split
+    from specgraft.train.pipeline import run_training
+
+    target = _load(outputs["target_path"])
+    threads = _threads_for(target)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dataset = TokenizedDataset(load_records(outputs["data_file"]), target.tokenizer, cfg.max_length)
+        train, _ = train_eval_split(dataset.examples, cfg.eval_fraction, seed=cfg.seed)
+        cost = measure_step_cost(target, train, cfg.micro_batch_size)
+    finally:
+        torch.set_num_threads(before)
+    batches_per_epoch = math.ceil(len(train) / cfg.micro_batch_size)
+    # A few seconds of the budget go to DeepSpeed's start-up and the final evaluation.
+    budget_s = max(1.0, cfg.train_minutes * 60 - 10)
+    max_steps = min(cfg.max_epochs * batches_per_epoch, cost.steps_within(budget_s, batches_per_epoch))
+    epochs = max(1, math.ceil(max_steps / batches_per_epoch))
+    train_cfg = train_config(cfg, outputs, max_steps=max_steps, epochs=epochs, threads=threads)
+    shutil.rmtree(Path(train_cfg.training.output_dir), ignore_errors=True)  # the stage runs whole or not at all
+    head_dir = run_training(train_cfg)
+    metrics = json.loads((Path(train_cfg.training.output_dir) / "final_metrics.json").read_text())
+    accuracy = [metrics.get(f"eval/depth{d}_top1") for d in range(1, 6)]
+    accuracy_text = "/".join(f"{a:.2f}" for a in accuracy if a is not None) or "-"
+    return StageResult(
+        {"head_dir": str(head_dir), "train_steps": max_steps},
+        f"EAGLE head: {max_steps} steps ({max_steps / batches_per_epoch:.1f} epochs of {len(train)} sequences; "
+        f"measured {cost.step_s * 1e3:.0f} ms/step, budget {cfg.train_minutes:g} min), held-out top-1 by depth "
+        f"{accuracy_text} -> {head_dir}",
+    )
+
+
+# ---------------------------------------------------------------------------- 4. bench
+
+
+def bench_methods(head_dir: str, trees: tuple[str, ...], target):
+    """(name, drafter, tree) per tree, named as `specgraft bench --drafter HEAD_DIR --tree T` names them."""
+    from specgraft.heads import load_drafter
+    from specgraft.tree import parse_tree_spec
+
+    drafter = load_drafter(head_dir, target)
+    return [(f"{Path(head_dir).name} {spec}", drafter, parse_tree_spec(spec)) for spec in trees]
+
+
+def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
+    """The `specgraft bench` command that benchmarks the same head on the same prompts."""
+    parts = ["specgraft", "bench", "--target", outputs["target_path"], "--drafter", outputs["head_dir"]]
+    for spec in cfg.trees:
+        parts += ["--tree", spec]
+    parts += ["--prompts", outputs["bench_prompts_file"], "--max-new-tokens", str(cfg.max_new_tokens),
+              "--baselines", "plain,hf", "--out", str(cfg.out_dir / "bench-again")]
+    return shlex.join(parts)
+
+
+def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+    from transformers.utils import logging as hf_logging
+
+    from specgraft.infer.bench import read_prompt_file, run_bench
+
+    hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
+    torch.set_num_threads(1)  # as `specgraft bench` defaults to: pinned, so runs compare
+    target = _load(outputs["target_path"])
+    prompts = read_prompt_file(outputs["bench_prompts_file"])
+    out_dir = cfg.out_dir / "bench"
+    results = run_bench(
+        target, bench_methods(outputs["head_dir"], cfg.trees, target), prompts, max_new_tokens=cfg.max_new_tokens,
+        baselines=("plain", "hf"), threads=1, warmup=1, out_dir=out_dir, progress=cfg.progress,
+        extra_settings={"prompts_file": outputs["bench_prompts_file"], "limit": None, "quickstart": True},
+    )
+    if not results["greedy_identical"]:
+        raise ValueError(
+            f"{len(results['mismatches'])} greedy outputs differ from HF generate (first: {results['mismatches'][0]}); "
+            f"see {out_dir / 'results.json'}"
+        )
+    best = max(results["methods"][2:], key=lambda m: m["e2e_tokens_per_s"] or 0.0)
+    return StageResult(
+        {"bench_dir": str(out_dir), "results_file": str(out_dir / "results.json")},
+        f"{len(prompts)} prompts x {cfg.max_new_tokens} tokens, greedy identical to HF generate; best "
+        f"{best['method']}: {best['speedup_vs']['hf']:.2f}x HF generate -> {out_dir}",
+    )
+
+
+STAGE_FUNCTIONS: dict[str, Callable[[QuickstartConfig, dict[str, Any]], StageResult]] = {
+    "target": stage_target, "data": stage_data, "train": stage_train, "bench": stage_bench,
+}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
+    """The table, tau per method, where the report and plots are, and how to reproduce the bench."""
+    from specgraft.infer.bench import PLOTS, results_markdown
+
+    results = json.loads(Path(outputs["results_file"]).read_text())
+    bench_dir = Path(outputs["bench_dir"])
+    taus = ", ".join(
+        f"{m['method']} {m['mean_accepted_length']:.2f}" for m in results["methods"] if m["method"] not in ("plain", "hf")
+    )
+    lines = [results_markdown(results).rstrip(), "", f"Mean accepted length (tau, tokens per target call): {taus}."]
+    if outputs.get("demo"):
+        lines += ["", DEMO_NOTE]
+    lines += [
+        "",
+        f"Report: {bench_dir / 'results.md'} and {bench_dir / 'results.json'}",
+        f"Plots:  {', '.join(str(bench_dir / p) for p in PLOTS)}",
+        f"Head:   {outputs['head_dir']}",
+        f"Same benchmark again: {bench_command(cfg, outputs)}",
+        f"Total: {_duration(outputs['total_seconds'])}.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def add_quickstart_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``specgraft quickstart``."""
+    d = QuickstartConfig.__dataclass_fields__
+    parser.add_argument("--target", default=None,
+                        help="any HF causal LM (directory or hub id); default: the embedded demo target, trained "
+                        "on the Python standard library's source and cached under the user cache directory")
+    parser.add_argument("--out", default=str(d["out_dir"].default), help="run directory (stage markers, data, head, report)")
+    parser.add_argument("--resume", action="store_true", help="reuse the stages an earlier run in --out finished")
+    parser.add_argument("--samples", type=int, default=d["samples"].default, help="self-distilled training sequences")
+    parser.add_argument("--train-minutes", type=float, default=d["train_minutes"].default,
+                        help="the head's training budget (becomes a step count from a measured step time)")
+    parser.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"].default, help="tokens per bench prompt")
+    parser.add_argument("--bench-prompts", type=int, default=d["bench_prompts"].default, help="prompts benchmarked")
+    parser.add_argument("--prompts", default=None,
+                        help="with --target: prompts to continue and benchmark (Spec-Bench / MT-bench / HumanEval / "
+                        "GSM8K jsonl, or one per line); default: openings the target samples from BOS")
+    parser.add_argument("--tree", action="append", default=None,
+                        help=f"tree(s) to benchmark the head with (repeatable; default: {' and '.join(d['trees'].default)})")
+    parser.add_argument("--cache-dir", default=None, help="where the demo target is cached (default: "
+                        "$XDG_CACHE_HOME/specgraft or ~/.cache/specgraft)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
+    return QuickstartConfig(
+        out_dir=Path(args.out), target=args.target, prompts=args.prompts, samples=args.samples,
+        train_minutes=args.train_minutes, max_new_tokens=args.max_new_tokens, bench_prompts=args.bench_prompts,
+        trees=tuple(args.tree) if args.tree else QuickstartConfig.__dataclass_fields__["trees"].default,
+        resume=args.resume, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+    )
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes this run: the flags given, plus --resume."""
+    defaults = add_quickstart_arguments(argparse.ArgumentParser()).parse_args([])
+    parts = ["specgraft", "quickstart"]
+    for name, value in vars(args).items():
+        if not hasattr(defaults, name) or name == "resume" or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            parts += [flag, str(v)]
+    return shlex.join(parts + ["--resume"])
+
+
+def quickstart_main(args: argparse.Namespace) -> int:
+    """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
+    cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
+    logging.getLogger("specgraft").setLevel(logging.WARNING)
+    print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
+    try:
+        outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))
+    except StageFailed as failure:
+        if not isinstance(failure.cause, (KeyboardInterrupt, ValueError, FileNotFoundError)):
+            traceback.print_exception(failure.cause, file=sys.stderr)
+        print(f"specgraft quickstart: {failure}", file=sys.stderr)
+        print(f"  finished stages are kept in {cfg.out_dir / STAGE_DIR}; resume with:\n  {resume_command(args)}",
+              file=sys.stderr)
+        return 130 if isinstance(failure.cause, KeyboardInterrupt) else 1
+    print()
+    print(report(cfg, outputs))
+    return 0
