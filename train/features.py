@@ -40,9 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
