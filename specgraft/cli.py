@@ -133,6 +133,8 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     print("acceptance by depth (rank 0): " + ", ".join(f"{a[0]:.2f}" for a in result.acceptance))
     print(f"chosen: {len(result.best.choices)} nodes, depth {result.best.depth}, "
           f"expected {result.best.expected_tokens:.2f} tokens/step, predicted {result.best.speedup:.2f}x plain decoding")
+    if result.best.speedup < 1.0:
+        print("plain decoding is predicted faster: on this device a draft round costs too much next to a target forward")
     print(f"tree spec written to {args.out} (use --tree {args.out})")
     return 0
 

@@ -100,3 +100,14 @@ def test_dynamic_tree_keeps_greedy_output_identical(stories, dev_prompts):
         out = gen.generate(ids, max_new_tokens=64)
         assert out.token_ids == ref
         assert out.stats.mean_accepted_length > 5.0  # the target drafting for itself: every chain accepted
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), top_k=st.integers(1, 4), depth=st.integers(1, 5), budget=st.integers(1, 30))
+def test_builder_ancestors_equal_a_fresh_computation(seed, top_k, depth, budget):
+    """Trees from the builder skip validation and carry an incrementally grown mask: both must be right."""
+    grown = DynamicTree(top_k=top_k, depth=depth, budget=10_000).grow(random_step(seed), root_token=0)
+    fresh = Tree(tokens=grown.tokens, parents=grown.parents, depth=grown.depth, scores=grown.scores)  # validates
+    assert torch.equal(grown.ancestor_mask(), fresh.ancestor_mask())
+    kept = DynamicTree(top_k=top_k, depth=depth, budget=budget).grow(random_step(seed), root_token=0)
+    assert torch.equal(kept.ancestor_mask(), Tree(kept.tokens, kept.parents, kept.depth, kept.scores).ancestor_mask())

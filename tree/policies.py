@@ -48,6 +48,7 @@ class TreeBuilder:
         self.scores: list[torch.Tensor] = [torch.zeros(1, device=device)]
         self.q: list[torch.Tensor] = []  # (n, V) blocks, one row per drafted node
         self.without_replacement = False
+        self.ancestors = torch.ones(1, 1, dtype=torch.bool, device=device)  # (N, N), grown with each add
         self.num_nodes = 1
         self._tree: Tree | None = Tree.root_only(root_token, device)
 
@@ -62,6 +63,10 @@ class TreeBuilder:
             raise ValueError("a tree's children are either all sampled (with q) or all top-k (without)")
         if q is not None:
             self.q.append(q)
+        n_old, n_new = self.num_nodes, tokens.shape[0]
+        # A child sees what its parent sees, and itself.
+        rows = torch.cat([self.ancestors[parents], torch.eye(n_new, dtype=torch.bool, device=tokens.device)], dim=1)
+        self.ancestors = torch.cat([torch.nn.functional.pad(self.ancestors, (0, n_new)), rows])  # (N + n, N + n)
         parent_depth = torch.cat(self.depth)[parents]
         self.tokens.append(tokens)
         self.parents.append(parents)
@@ -89,7 +94,8 @@ class TreeBuilder:
             if self.q:
                 first = self.q[0]
                 q = torch.cat([torch.zeros(1, first.shape[-1], dtype=first.dtype, device=first.device), *self.q])
-            self._tree = Tree(
+            self._tree = Tree.trusted(
+                ancestors=self.ancestors,
                 tokens=torch.cat(self.tokens),
                 parents=torch.cat(self.parents),
                 depth=torch.cat(self.depth),

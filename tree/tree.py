@@ -63,6 +63,19 @@ class Tree:
             scores=torch.zeros(1, device=device),
         )
 
+    @classmethod
+    def trusted(cls, ancestors: torch.Tensor | None = None, **fields) -> Tree:
+        """A tree from a builder that keeps the invariants itself: no validation, and its ancestor
+        mask handed over instead of recomputed (the draft loop builds a tree per level)."""
+        tree = object.__new__(cls)
+        for name in ("tokens", "parents", "depth", "scores"):
+            object.__setattr__(tree, name, fields[name])
+        object.__setattr__(tree, "q", fields.get("q"))
+        object.__setattr__(tree, "without_replacement", fields.get("without_replacement", False))
+        if ancestors is not None:
+            tree.__dict__["_ancestors"] = ancestors  # the cached_property's slot
+        return tree
+
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
             return self
