@@ -186,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
         cmd.set_defaults(func=func)
 
+    from specgraft.quickstart import add_quickstart_arguments, quickstart_main
+
+    quick = sub.add_parser("quickstart", help="offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark")
+    add_quickstart_arguments(quick)
+    quick.set_defaults(func=quickstart_main)
+
     tune_p = sub.add_parser("tune-tree", help="measure this device and drafter, and size the tree for speed")
     _model_flags(tune_p)
     tune_p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench jsonl, text, ...)")

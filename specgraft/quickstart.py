@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import random
@@ -41,19 +40,19 @@ import shutil
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from specgraft.train.demo_target import DemoTargetSpec
-
-log = logging.getLogger(__name__)
+from specgraft.train.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
 
 STAGES = ("target", "data", "train", "bench")
 STAGE_DIR = "stages"
 BENCH_PROMPTS_FILE = "bench_prompts.jsonl"
+# The head's training run directory; the head is HEAD_RUN/head, which `specgraft bench` labels "eagle".
+HEAD_RUN = "eagle"
 # A target below this many parameters trains and decodes fastest on one thread (MEASURED.md:
 # 2 threads can be 10-30x slower for a 260K model); above it torch's default is kept.
 ONE_THREAD_BELOW = 20_000_000
@@ -71,7 +70,7 @@ class QuickstartConfig:
     out_dir: Path = Path("specgraft-quickstart")
     target: str | None = None  # None: the demo target
     demo: DemoTargetSpec = field(default_factory=DemoTargetSpec)
-    demo_minutes: float = 6.5  # wall-clock cap on the demo target's training (its schedule shrinks to fit)
+    demo_minutes: float = DEFAULT_MAX_MINUTES  # wall-clock cap on the demo target's training (its schedule shrinks to fit)
     prompts: str | None = None  # prompts file (any `read_prompt_file` format); None: see the module docstring
     samples: int = 1600  # self-distilled sequences
     sample_tokens: int = 160  # new tokens per self-distilled sequence
@@ -122,6 +121,7 @@ class StageFailed(RuntimeError):
 class StageResult:
     outputs: dict[str, Any]  # what later stages read (paths, names, sizes)
     summary: str  # the stage's line
+    artifacts: list[str] = field(default_factory=list)  # files and directories a resumed run needs to find again
 
 
 # ---------------------------------------------------------------------------- the run
@@ -150,25 +150,32 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = print) -
         marker = markers / f"{stage}.json"
         label = f"[{number}/{len(STAGES)}] {stage:<6}"
         done = _read_marker(marker)
-        if not rerun and done is not None and done["key"] == key:
+        missing = [p for p in (done or {}).get("artifacts", []) if not Path(p).exists()]
+        if not rerun and done is not None and done["key"] == key and not missing:
             outputs.update(done["outputs"])
-            echo(f"{label} reused from an earlier run ({_duration(done['seconds'])} then): {done['summary']}")
+            echo(f"{label} reused (took {_duration(done['seconds'])} in an earlier run): {done['summary']}")
             continue
         if not rerun and done is not None:
-            echo(f"{label} settings changed since the earlier run: running it again, and every stage after it")
+            why = f"{missing[0]} is gone" if missing else "its settings changed"
+            echo(f"{label} {why} since the earlier run: running it again, and every stage after it")
         rerun = True
         for later in STAGES[number - 1 :]:
             (markers / f"{later}.json").unlink(missing_ok=True)
+        started = markers / f"{stage}.started.json"
+        # An interrupted stage may continue its partial work only if it was started with these settings.
+        continue_partial = cfg.resume and (_read_marker(started) or {}).get("key") == key
+        started.write_text(json.dumps({"stage": stage, "key": key}, indent=2) + "\n")
         start, cpu_start = time.perf_counter(), time.process_time()
         try:
-            result = STAGE_FUNCTIONS[stage](cfg, outputs)
+            result = STAGE_FUNCTIONS[stage](cfg, outputs, continue_partial)
         except (Exception, KeyboardInterrupt) as err:
             raise StageFailed(stage, time.perf_counter() - start, err) from err
         seconds = time.perf_counter() - start
         outputs.update(result.outputs)
         marker.write_text(json.dumps(
             {"stage": stage, "key": key, "seconds": round(seconds, 1),
-             "cpu_seconds": round(time.process_time() - cpu_start, 1), "outputs": result.outputs, "summary": result.summary},
+             "cpu_seconds": round(time.process_time() - cpu_start, 1), "outputs": result.outputs,
+             "artifacts": result.artifacts, "summary": result.summary},
             indent=2,
         ) + "\n")
         echo(f"{label} {_duration(seconds):>6}  {result.summary}")
@@ -213,7 +220,7 @@ def _load(path: str):
 # ---------------------------------------------------------------------------- 1. target
 
 
-def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     if cfg.target is not None:
         target = _load(cfg.target)
         if target.tokenizer is None:
@@ -223,15 +230,13 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         return StageResult(
             {"target_path": path, "demo": False, "target_params": params},
             f"{target.name} ({params / 1e6:.2f}M parameters, {target.num_layers} layers, vocab {target.vocab_size})",
+            artifacts=[path] if Path(path).exists() else [],
         )
-    from specgraft.train.demo_target import ensure_demo_target, pick_threads
+    from specgraft.train.demo_target import ensure_demo_target
 
-    threads = pick_threads(cfg.demo)
-    demo = ensure_demo_target(
-        cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, threads=threads, progress=cfg.progress
-    )
+    demo = ensure_demo_target(cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, progress=cfg.progress)
     info = demo.info
-    how = "cached" if demo.cached else f"trained on {threads} thread(s)"
+    how = "cached" if demo.cached else f"trained on {info['threads']} thread(s)"
     cut = f", cut to {info['steps_done']} steps by the {info['max_minutes']}-minute cap" if info["cut_by_wall_clock"] else ""
     summary = (
         f"demo target {how}: {info['parameters'] / 1e6:.1f}M-parameter Llama, {info['steps_done']} steps on "
@@ -242,6 +247,7 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         {"target_path": str(demo.path), "demo": True, "target_params": info["parameters"],
          "demo_cached": demo.cached},
         summary,
+        artifacts=[str(demo.path / "model.safetensors")],
     )
 
 
@@ -285,7 +291,7 @@ def _prompt_record(target, index: int, text: str) -> dict | str:
     return {"id": f"p{index}", "text": text}
 
 
-def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     from specgraft.infer.bench import read_prompt_file
     from specgraft.train.regenerate import regenerate
 
@@ -316,7 +322,7 @@ def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         data_file = cfg.out_dir / "selfdistill.jsonl"
         summary = regenerate(
             target, inputs, data_file, max_new_tokens=cfg.sample_tokens, temperature=1.0,
-            batch_size=cfg.regenerate_batch, seed=cfg.seed, resume=cfg.resume,
+            batch_size=cfg.regenerate_batch, seed=cfg.seed, resume=continue_partial,
             num_from_bos=cfg.samples - n_prompted if use_bos else 0, progress=cfg.progress,
         )
     finally:
@@ -326,6 +332,7 @@ def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         {"data_file": str(data_file), "bench_prompts_file": str(bench_file), "sequences": written},
         f"{written} self-distilled sequences of up to {cfg.sample_tokens} new tokens ({n_prompted} continue "
         f"{source}, {written - n_prompted} from BOS); {len(bench)} bench prompts -> {data_file}",
+        artifacts=[str(data_file), str(bench_file)],
     )
 
 
@@ -341,7 +348,7 @@ def train_config(cfg: QuickstartConfig, outputs: dict[str, Any], *, max_steps: i
         "head": {"type": "eagle"},
         "data": {"train": outputs["data_file"], "max_length": cfg.max_length, "eval_fraction": cfg.eval_fraction},
         "training": {
-            "output_dir": str(cfg.out_dir / "train"),
+            "output_dir": str(cfg.out_dir / HEAD_RUN),
             "epochs": epochs,
             "max_steps": max_steps,
             "micro_batch_size": cfg.micro_batch_size,
@@ -360,6 +367,12 @@ def train_config(cfg: QuickstartConfig, outputs: dict[str, Any], *, max_steps: i
     })
 
 
+# A trainer step costs this much more than the bare head step `measure_step_cost` times: reading the
+# features back from the offline cache, rebuilding the target's logits, DeepSpeed's bookkeeping
+# (measured on the demo target: 0.32 s against 0.26 s).
+TRAINER_OVERHEAD = 1.25
+
+
 @dataclass
 class StepCost:
     """Measured seconds: the target's forward over one micro-batch, and one head training step."""
@@ -369,7 +382,7 @@ class StepCost:
 
     def steps_within(self, seconds: float, batches_per_epoch: int) -> int:
         """Optimizer steps that fit ``seconds`` after one feature-extraction pass over the data."""
-        return max(1, int((seconds - batches_per_epoch * self.target_s) / self.step_s))
+        return max(1, int((seconds - batches_per_epoch * self.target_s) / (self.step_s * TRAINER_OVERHEAD)))
 
 
 def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
@@ -398,7 +411,7 @@ def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repea
     return StepCost(target_s=target_s, step_s=min(times[1:]))
 
 
-def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     from specgraft.train.data import TokenizedDataset, load_records, train_eval_split
     from specgraft.train.pipeline import run_training
 
@@ -429,6 +442,7 @@ def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         f"EAGLE head: {max_steps} steps ({max_steps / batches_per_epoch:.1f} epochs of {len(train)} sequences; "
         f"measured {cost.step_s * 1e3:.0f} ms/step, budget {cfg.train_minutes:g} min), held-out top-1 by depth "
         f"{accuracy_text} -> {head_dir}",
+        artifacts=[str(Path(head_dir) / "model.safetensors")],
     )
 
 
@@ -436,12 +450,15 @@ def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
 
 
 def bench_methods(head_dir: str, trees: tuple[str, ...], target):
-    """(name, drafter, tree) per tree, named as `specgraft bench --drafter HEAD_DIR --tree T` names them."""
+    """(name, drafter, tree) per tree, named as `specgraft bench --drafter HEAD_DIR --tree T` names them
+    (a training run's ``RUN/head`` is labelled ``RUN``)."""
     from specgraft.heads import load_drafter
     from specgraft.tree import parse_tree_spec
 
+    path = Path(head_dir)
+    label = path.parent.name if path.name == "head" else path.name
     drafter = load_drafter(head_dir, target)
-    return [(f"{Path(head_dir).name} {spec}", drafter, parse_tree_spec(spec)) for spec in trees]
+    return [(f"{label} {spec}", drafter, parse_tree_spec(spec)) for spec in trees]
 
 
 def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
@@ -454,21 +471,25 @@ def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
     return shlex.join(parts)
 
 
-def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
+def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     from transformers.utils import logging as hf_logging
 
     from specgraft.infer.bench import read_prompt_file, run_bench
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
-    torch.set_num_threads(1)  # as `specgraft bench` defaults to: pinned, so runs compare
-    target = _load(outputs["target_path"])
-    prompts = read_prompt_file(outputs["bench_prompts_file"])
-    out_dir = cfg.out_dir / "bench"
-    results = run_bench(
-        target, bench_methods(outputs["head_dir"], cfg.trees, target), prompts, max_new_tokens=cfg.max_new_tokens,
-        baselines=("plain", "hf"), threads=1, warmup=1, out_dir=out_dir, progress=cfg.progress,
-        extra_settings={"prompts_file": outputs["bench_prompts_file"], "limit": None, "quickstart": True},
-    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # `specgraft bench`'s default: pinned, so runs compare
+    try:
+        target = _load(outputs["target_path"])
+        prompts = read_prompt_file(outputs["bench_prompts_file"])
+        out_dir = cfg.out_dir / "bench"
+        results = run_bench(
+            target, bench_methods(outputs["head_dir"], cfg.trees, target), prompts, max_new_tokens=cfg.max_new_tokens,
+            baselines=("plain", "hf"), threads=1, warmup=1, out_dir=out_dir, progress=cfg.progress,
+            extra_settings={"prompts_file": outputs["bench_prompts_file"], "limit": None, "quickstart": True},
+        )
+    finally:
+        torch.set_num_threads(before)
     if not results["greedy_identical"]:
         raise ValueError(
             f"{len(results['mismatches'])} greedy outputs differ from HF generate (first: {results['mismatches'][0]}); "
@@ -479,10 +500,13 @@ def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any]) -> StageResult:
         {"bench_dir": str(out_dir), "results_file": str(out_dir / "results.json")},
         f"{len(prompts)} prompts x {cfg.max_new_tokens} tokens, greedy identical to HF generate; best "
         f"{best['method']}: {best['speedup_vs']['hf']:.2f}x HF generate -> {out_dir}",
+        artifacts=[str(out_dir / "results.json")],
     )
 
 
-STAGE_FUNCTIONS: dict[str, Callable[[QuickstartConfig, dict[str, Any]], StageResult]] = {
+# stage(config, outputs of the stages before it, continue_partial) -> result. continue_partial: an
+# interrupted run of this stage, with the same settings, left work that may be reused.
+STAGE_FUNCTIONS: dict[str, Callable[[QuickstartConfig, dict[str, Any], bool], StageResult]] = {
     "target": stage_target, "data": stage_data, "train": stage_train, "bench": stage_bench,
 }
 
@@ -565,7 +589,8 @@ def resume_command(args: argparse.Namespace) -> str:
 def quickstart_main(args: argparse.Namespace) -> int:
     """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
     cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
-    logging.getLogger("specgraft").setLevel(logging.WARNING)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU
     print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
     try:
         outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))

@@ -38,7 +38,6 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -55,6 +54,8 @@ TRAINING_FILE = "training.json"
 # One file in HELDOUT_EVERY is held out of training (by a CRC of its path, so the
 # split is stable across runs): its functions' first lines are the prompts.
 HELDOUT_EVERY = 20
+# Wall-clock cap on training, in minutes: 900 steps take about 5 minutes on 2 free cores.
+DEFAULT_MAX_MINUTES = 6.5
 
 
 def cache_root() -> Path:
@@ -198,8 +199,8 @@ def ensure_demo_target(
     spec: DemoTargetSpec = DemoTargetSpec(),
     *,
     cache_dir: str | Path | None = None,
-    max_minutes: float = 7.0,
-    threads: int | None = None,
+    max_minutes: float = DEFAULT_MAX_MINUTES,
+    threads: int | str | None = "auto",
     progress: bool = True,
 ) -> DemoTarget:
     """The cached demo target for ``spec``, trained first if no complete one exists.
@@ -209,7 +210,8 @@ def ensure_demo_target(
         cache_dir: where targets live (default `cache_root`).
         max_minutes: wall-clock cap on training; on a slow (shared) machine the
             cosine schedule is shortened so it still ends annealed.
-        threads: torch threads while training (restored afterwards); None keeps torch's.
+        threads: torch threads while training (restored afterwards): a count, "auto"
+            (`pick_threads`, timed only when training is needed) or None (torch's setting).
     """
     path = cached_target_dir(spec, cache_dir)
     info = _complete(path, spec)
@@ -219,6 +221,8 @@ def ensure_demo_target(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     before = torch.get_num_threads()
+    if threads == "auto":
+        threads = pick_threads(spec)
     if threads:
         torch.set_num_threads(threads)
     try:
@@ -236,9 +240,11 @@ def ensure_demo_target(
 def pick_threads(spec: DemoTargetSpec, steps: int = 1) -> int:
     """The torch thread count that trains ``spec``'s model fastest here, timed on a few steps of random tokens.
 
-    On a free 2-core machine 2 threads beat 1; when other work shares the cores,
-    2 threads can be 5x slower than 1 (their synchronisation waits on a busy
-    core). A few seconds of timing settles which case this is.
+    Which wins depends on the machine and its load: on a 2-core machine shared
+    with other work, 2 threads were 5x slower than 1 for this model (each step's
+    synchronisation waits for a busy core); a free machine can gain from the
+    second core. A few seconds of timing settle it; a hopeless count is dropped
+    after its warm-up step.
     """
     from transformers import LlamaForCausalLM
 
@@ -382,8 +388,7 @@ def _loss(model, window: torch.Tensor) -> torch.Tensor:
 
 
 def build_demo_target(
-    spec: DemoTargetSpec, out_dir: str | Path, *, max_minutes: float = 7.0, progress: bool = True,
-    log_fn: Callable[[str], None] | None = None,
+    spec: DemoTargetSpec, out_dir: str | Path, *, max_minutes: float = DEFAULT_MAX_MINUTES, progress: bool = True
 ) -> dict:
     """Train tokenizer and model for ``spec`` into ``out_dir`` (model, tokenizer, training.json); return the info."""
     from tqdm.auto import tqdm
