@@ -765,7 +765,7 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     return drafter_from_spec(spec, target)
 
 
-def _dir_label(path: Path) -> str:
+def drafter_label(path: Path) -> str:
     """A drafter directory's name; a training run's ``RUN/head`` is called after the run."""
     path = path.expanduser().resolve()
     return path.parent.name if path.name == "head" else path.name
@@ -776,7 +776,7 @@ def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], targ
     methods: list[MethodSpec] = []
     for spec in args.drafter:
         drafter = build_drafter(spec, target)
-        label = spec if spec in ("prompt-lookup", "self") else _dir_label(Path(spec))
+        label = spec if spec in ("prompt-lookup", "self") else drafter_label(Path(spec))
         if isinstance(drafter, PromptLookup):
             methods.append((label, drafter, None))
             continue
