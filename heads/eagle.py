@@ -25,11 +25,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import EagleConfig
-from specgraft.heads.draft_round import DraftRound
+from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.fast_llama import FastLlama, StaticKVCache
 from specgraft.target import KVCache, Target
-from specgraft.tree import Tree, TreePolicy, additive_mask
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import additive_mask
 
 
 def layer_config(target_config, num_layers: int) -> LlamaConfig:
@@ -121,6 +120,19 @@ class EagleHead(nn.Module):
         x = F.linear(torch.cat([emb, features], dim=-1), self.fc.weight, self.fc.bias)
         return self.fast().run_layers(x, cache, position_ids, attention_mask)
 
+    # -- the FeatureDrafter interface --------------------------------------------------------------
+    def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden[self.hidden_layers[0]].float()
+
+    def new_draft_cache(self, max_len: int) -> StaticKVCache:
+        return self.fast().new_cache(max_len)
+
+    def draft_step(self, features, tokens, positions, mask, cache) -> torch.Tensor:
+        return self.draft_forward(features, tokens, positions, mask, cache)
+
+    def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
+        return self.logits(out)
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head_weight.to(features.dtype).T
 
@@ -145,60 +157,4 @@ class EagleHead(nn.Module):
         return loss, {"loss": float(loss.detach()), "feature_loss": float(feature_loss.detach()), "token_loss": float(token_loss.detach()), "top1": float(top1)}
 
 
-class EagleDrafter:
-    """Drafts with an `EagleHead`: pairs of committed features and tokens in its own KV cache, a tree on top."""
-
-    def __init__(self, head: EagleHead, target: Target) -> None:
-        self.head = head  # not put in eval mode here: the trainer's evaluator may share the module
-        self.hidden_layers = head.hidden_layers
-        self.device = target.device
-        self.features = torch.zeros(0, target.config.hidden_size, device=self.device)  # (n, H) true f_0..f_{n-1}
-        self.tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,) committed t_0..t_{n-1}
-        self.max_len = target.max_context + 1024  # committed pairs plus a tree's worth of draft slots
-        self.cache = head.fast().new_cache(self.max_len)  # pair i in slot i; between rounds only committed pairs
-
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.features = hidden[self.hidden_layers[0]].float()
-        self.tokens = prompt_ids.flatten().to(self.device)
-        self.cache = self.head.fast().new_cache(self.max_len)
-
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.features = torch.cat([self.features, hidden[self.hidden_layers[0]].float()])
-        self.tokens = torch.cat([self.tokens, tokens.flatten().to(self.device)])
-
-    def cache_tokens(self) -> int:
-        return len(self.cache)
-
-    @torch.inference_mode()
-    def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
-    ) -> Tree:
-        if max_depth < 1:
-            return Tree.root_only(root_token, self.device)
-        n = len(self.tokens)
-        node_features: dict[int, torch.Tensor] = {}  # node -> (H,) predicted feature at the node's position
-
-        def run_root() -> torch.Tensor:
-            # Pairs (f_i, t_{i+1}) not yet cached; the last pairs f_{n-1} with the root.
-            start = len(self.cache)
-            next_tokens = torch.cat([self.tokens[start + 1 :], torch.tensor([root_token], device=self.device)])
-            positions = torch.arange(start, n, device=self.device)[None]
-            out = self.head.draft_forward(self.features[start:n][None], next_tokens[None], positions, None, self.cache)
-            node_features[0] = out[0, -1]
-            return self.head.logits(out[0, -1])
-
-        def run_nodes(tree: Tree, nodes: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            parents = tree.parents[nodes].tolist()
-            feats = torch.stack([node_features[p] for p in parents])[None]  # (1, F, H)
-            mask = additive_mask(visible, feats.dtype)
-            out = self.head.draft_forward(feats, tree.tokens[nodes][None], positions[None], mask, self.cache)[0]
-            node_features.update(zip(nodes.tolist(), out))
-            return self.head.logits(out)
-
-        round_ = DraftRound(n - 1, run_root, run_nodes, self.device)
-        try:
-            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
-        finally:
-            # Keep pairs 0 .. n-2: committed tokens and true features. The root's pair is run again next
-            # round, so proposing twice without a commit (evaluation does) stays correct.
-            self.cache.crop(min(len(self.cache), n - 1))
+EagleDrafter = FeatureDrafter  # an EagleHead drafts through the shared feature-space drafter

@@ -27,11 +27,10 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import Eagle3Config
-from specgraft.heads.draft_round import DraftRound
+from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.eagle import layer_config
 from specgraft.target import KVCache, Target
-from specgraft.tree import Tree, TreePolicy, additive_mask
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import additive_mask
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -158,6 +157,22 @@ class Eagle3Head(nn.Module):
         k, v = cache.hf.update(k, v, 0)
         return self.finish(h, self.midlayer.self_attn.attend(q, k, v, attention_mask))
 
+    # -- the FeatureDrafter interface --------------------------------------------------------------
+    def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.fuse(hidden)  # committed pairs feed fc(fused taps); tree nodes feed the midlayer's outputs
+
+    def new_draft_cache(self, max_len: int) -> KVCache:
+        return KVCache()
+
+    def draft_step(self, h, tokens, positions, mask, cache) -> torch.Tensor:
+        if mask is None:  # causal over the cached pairs and the new ones
+            t, past = tokens.shape[1], len(cache)
+            mask = additive_mask(torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past), h.dtype)
+        return self(h, tokens, positions, mask, cache)
+
+    def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
+        return self.to_target_logp(self.draft_logits(out))
+
     # -- training-time test -----------------------------------------------------------------------
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Sum over steps j of loss_decay ** j x cross-entropy against the target on the draft vocabulary."""
@@ -209,60 +224,4 @@ def ttt_visibility(cols: int, step: int, device) -> torch.Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
-class Eagle3Drafter:
-    """Drafts with an `Eagle3Head`: true fused features for committed pairs, own outputs inside the tree."""
-
-    def __init__(self, head: Eagle3Head, target: Target) -> None:
-        self.head = head  # not put in eval mode here: the trainer's evaluator may share the module
-        self.hidden_layers = head.hidden_layers
-        self.device = target.device
-        self.fused = torch.zeros(0, target.config.hidden_size, device=self.device)  # (n, H) fc(f_0..f_{n-1})
-        self.tokens = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.cache = KVCache()
-
-    @torch.inference_mode()
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.fused = self.head.fuse(hidden)
-        self.tokens = prompt_ids.flatten().to(self.device)
-        self.cache = KVCache()
-
-    @torch.inference_mode()
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.fused = torch.cat([self.fused, self.head.fuse(hidden)])
-        self.tokens = torch.cat([self.tokens, tokens.flatten().to(self.device)])
-
-    def cache_tokens(self) -> int:
-        return len(self.cache)
-
-    @torch.inference_mode()
-    def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
-    ) -> Tree:
-        if max_depth < 1:
-            return Tree.root_only(root_token, self.device)
-        n = len(self.tokens)
-        outputs: dict[int, torch.Tensor] = {}  # node -> (H,) midlayer output at the node's pair
-
-        def run_root() -> torch.Tensor:
-            start = len(self.cache)
-            next_tokens = torch.cat([self.tokens[start + 1 :], torch.tensor([root_token], device=self.device)])
-            t = n - start
-            visible = torch.ones(t, n, dtype=torch.bool, device=self.device).tril(start)
-            out = self.head(
-                self.fused[start:n][None], next_tokens[None], torch.arange(start, n, device=self.device)[None],
-                additive_mask(visible, self.fused.dtype), self.cache,
-            )
-            outputs[0] = out[0, -1]
-            return self.head.to_target_logp(self.head.draft_logits(out[0, -1]))
-
-        def run_nodes(tree: Tree, nodes: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            feats = torch.stack([outputs[p] for p in tree.parents[nodes].tolist()])[None]
-            out = self.head(feats, tree.tokens[nodes][None], positions[None], additive_mask(visible, feats.dtype), self.cache)[0]
-            outputs.update(zip(nodes.tolist(), out))
-            return self.head.to_target_logp(self.head.draft_logits(out))
-
-        round_ = DraftRound(n - 1, run_root, run_nodes, self.device)
-        try:
-            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
-        finally:
-            self.cache.crop(min(len(self.cache), n - 1))  # as EAGLE: committed pairs only, the root's rerun
+Eagle3Drafter = FeatureDrafter  # an Eagle3Head drafts through the shared feature-space drafter

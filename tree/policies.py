@@ -63,7 +63,7 @@ class TreeBuilder:
             raise ValueError("a tree's children are either all sampled (with q) or all top-k (without)")
         if q is not None:
             self.q.append(q)
-        n_old, n_new = self.num_nodes, tokens.shape[0]
+        n_new = tokens.shape[0]
         # A child sees what its parent sees, and itself.
         rows = torch.cat([self.ancestors[parents], torch.eye(n_new, dtype=torch.bool, device=tokens.device)], dim=1)
         self.ancestors = torch.cat([torch.nn.functional.pad(self.ancestors, (0, n_new)), rows])  # (N + n, N + n)
