@@ -186,12 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
         cmd.set_defaults(func=func)
 
-    from specgraft.quickstart import add_quickstart_arguments, quickstart_main
-
-    quick = sub.add_parser("quickstart", help="offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark")
-    add_quickstart_arguments(quick)
-    quick.set_defaults(func=quickstart_main)
-
     tune_p = sub.add_parser("tune-tree", help="measure this device and drafter, and size the tree for speed")
     _model_flags(tune_p)
     tune_p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench jsonl, text, ...)")
@@ -203,21 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
     tune_p.set_defaults(func=cmd_tune_tree)
 
+    # Commands whose module brings its own flags and entry point.
     from specgraft.heads.export import add_export_arguments, export_main
     from specgraft.heads.import_head import add_import_arguments, import_main
-
-    export = sub.add_parser("export", help="write a trained head in vLLM, SGLang, EAGLE or Medusa format")
-    add_export_arguments(export)
-    export.set_defaults(func=export_main)
-    importer = sub.add_parser("import-head", help="read an official EAGLE, EAGLE-3 or Medusa checkpoint")
-    add_import_arguments(importer)
-    importer.set_defaults(func=import_main)
-
     from specgraft.infer.bench import add_bench_arguments, bench_main
+    from specgraft.quickstart import add_quickstart_arguments, quickstart_main
 
-    bench = sub.add_parser("bench", help="benchmark drafters and trees against baselines in one interleaved run")
-    add_bench_arguments(bench)
-    bench.set_defaults(func=bench_main)
+    for name, add_arguments, func, text in (
+        ("quickstart", add_quickstart_arguments, quickstart_main,
+         "offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark"),
+        ("export", add_export_arguments, export_main, "write a trained head in vLLM, SGLang, EAGLE or Medusa format"),
+        ("import-head", add_import_arguments, import_main, "read an official EAGLE, EAGLE-3 or Medusa checkpoint"),
+        ("bench", add_bench_arguments, bench_main, "benchmark drafters and trees against baselines in one interleaved run"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        add_arguments(cmd)
+        cmd.set_defaults(func=func)
     return parser
 
 
