@@ -13,6 +13,7 @@ from specgraft.train.data import (
     collate,
     load_records,
     prompt_ids,
+    tokenize_examples,
     tokenize_record,
     train_eval_split,
 )
@@ -232,6 +233,54 @@ def test_chat_template_that_rewrites_history_is_an_error(chat_tokenizer):
     chat_tokenizer.chat_template = "{% for m in messages | reverse %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ValueError, match="record 'c'.*not a prefix"):
         tokenize_record(CONVERSATION, chat_tokenizer, 512)
+
+
+# Like Qwen3's: an assistant turn before the last user turn loses its reasoning.
+DROPS_OLD_REASONING = (
+    "{% set ns = namespace(last_user=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user %}{{ m['content'].split('</think>')[-1] }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
+)
+REASONING = copy.deepcopy(CONVERSATION)
+REASONING["messages"][2]["content"] = "<think>hmm</think>Once upon a time"
+
+
+def test_a_conversation_whose_template_drops_old_reasoning_splits_by_turn(chat_tokenizer):
+    chat_tokenizer.chat_template = DROPS_OLD_REASONING
+    with pytest.raises(ValueError, match="record 'c'.*not a prefix"):
+        tokenize_record(REASONING, chat_tokenizer, 512)
+    first, second = tokenize_examples(REASONING, chat_tokenizer, 512)
+    assert (first["id"], second["id"]) == ("c/2", "c/4")
+    # Each example is what the model reads when it writes that turn, trained on that turn only.
+    assert masked_runs(first, chat_tokenizer) == ["<think>hmm</think>Once upon a time<|end|>\n"]
+    assert masked_runs(second, chat_tokenizer) == ["The end.<|end|>\n"]
+    history = chat_tokenizer.decode(second["input_ids"])
+    assert "<|assistant|>\nOnce upon a time<|end|>" in history and "hmm" not in history
+    assert second["input_ids"][: len(prompt_ids(REASONING["messages"][:4], chat_tokenizer))] == prompt_ids(
+        REASONING["messages"][:4], chat_tokenizer
+    )
+
+
+def test_a_prefix_preserving_conversation_stays_one_example(chat_tokenizer):
+    chat_tokenizer.chat_template = DROPS_OLD_REASONING
+    (example,) = tokenize_examples(CONVERSATION, chat_tokenizer, 512)  # nothing to drop: history is unchanged
+    assert example["id"] == "c"
+    assert masked_runs(example, chat_tokenizer) == ["Once upon a time<|end|>\n", "The end.<|end|>\n"]
+
+
+def test_a_template_that_rewrites_even_single_turns_is_still_an_error(chat_tokenizer):
+    chat_tokenizer.chat_template = "{% for m in messages | reverse %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="record 'c'.*not a prefix"):
+        tokenize_examples(CONVERSATION, chat_tokenizer, 512)
+
+
+def test_dataset_splits_conversations_whose_template_rewrites_history(chat_tokenizer):
+    chat_tokenizer.chat_template = DROPS_OLD_REASONING
+    dataset = TokenizedDataset([REASONING, CONVERSATION], chat_tokenizer, 512)
+    assert [e["id"] for e in dataset] == ["c/2", "c/4", "c"]
 
 
 def test_prompt_ids_end_with_the_generation_prompt(stories, chat_tokenizer):

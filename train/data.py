@@ -33,6 +33,10 @@ tokenizers attach the space to the next word, so a prompt ending in a space
 asks for an unnatural token). The trained span of an assistant turn starts
 right after ``assistant:`` and includes its closing newline, which plays the
 part of a chat template's end-of-turn token.
+
+A template that rewrites earlier turns once later ones follow (Qwen3 drops
+old reasoning) has no single sequence with every turn as the model saw it:
+`tokenize_examples` then makes one example per assistant turn.
 """
 
 from __future__ import annotations
@@ -255,19 +259,26 @@ def _messages(turns: list, key: str, role_key: str, text_key: str, roles: dict[s
 # ---------------------------------------------------------------- tokenizing
 
 
-def tokenize_record(record: dict, tokenizer, max_length: int) -> dict[str, list[int]]:
+class HistoryRewritten(ValueError):
+    """The chat template renders earlier turns differently once later ones follow (Qwen3 drops old reasoning)."""
+
+
+def tokenize_record(record: dict, tokenizer, max_length: int, *, last_turn_only: bool = False) -> dict[str, list[int]]:
     """Token ids and loss mask of one normalised record, cut to ``max_length`` tokens.
 
     Text: every token but the first is trained (the first has nothing to be
-    predicted from). Conversations: only assistant turns are trained, found
-    by rendering each conversation prefix and mapping its character span to
-    tokens through the tokenizer's offsets, so a token merged across a turn
-    boundary is still placed exactly.
+    predicted from). Conversations: only assistant turns are trained (only
+    the final one with ``last_turn_only``), found by rendering each
+    conversation prefix and mapping its character span to tokens through the
+    tokenizer's offsets, so a token merged across a turn boundary is still
+    placed exactly.
 
     Raises:
-        ValueError: max_length < 1, a record in neither form, a slow
-            tokenizer (no offsets), or a chat template that rewrites earlier
-            turns (its prefixes are not prefixes of the whole).
+        ValueError: max_length < 1, a record in neither form, or a slow
+            tokenizer (no offsets).
+        HistoryRewritten: a chat template that rewrites earlier turns (its
+            prefixes are not prefixes of the whole); `tokenize_examples`
+            splits such a conversation by turn.
     """
     if max_length < 1:
         raise ValueError(f"max_length={max_length} must be at least 1")
@@ -275,12 +286,38 @@ def tokenize_record(record: dict, tokenizer, max_length: int) -> dict[str, list[
         ids = list(tokenizer(record["text"])["input_ids"])
         mask = [0] + [1] * (len(ids) - 1) if ids else []
     elif record.get("messages") is not None:
-        ids, mask = _tokenize_messages(record, tokenizer)
+        ids, mask = _tokenize_messages(record, tokenizer, last_turn_only)
     else:
         raise ValueError(
             f"record {record.get('id')!r} has neither 'messages' nor 'text'; normalise it with load_records"
         )
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
+def tokenize_examples(record: dict, tokenizer, max_length: int) -> list[dict]:
+    """The training examples of one record: itself, or one per assistant turn when the template rewrites history.
+
+    Some chat templates (Qwen3's) render an earlier assistant turn without
+    its reasoning once a later user turn follows, so the whole conversation
+    is not one sequence the model ever sees. Each assistant turn then becomes
+    its own example, ``messages[: i + 1]`` trained on turn i only: exactly
+    the prompt the model reads at inference when it writes that turn, plus
+    the turn. Ids become ``"{id}/{i}"``.
+    """
+    try:
+        return [{"id": record.get("id"), **tokenize_record(record, tokenizer, max_length)}]
+    except HistoryRewritten:
+        pass
+    messages = record["messages"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    log.info("record %r: the chat template rewrites earlier turns; split into %d examples", record.get("id"), len(turns))
+    return [
+        {
+            "id": f"{record.get('id')}/{i}",
+            **tokenize_record({**record, "messages": messages[: i + 1]}, tokenizer, max_length, last_turn_only=True),
+        }
+        for i in turns
+    ]
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -312,16 +349,13 @@ def prompt_ids(messages: Sequence[dict], tokenizer) -> list[int]:
     return list(tokenizer(text, add_special_tokens=not has_chat_template(tokenizer))["input_ids"])
 
 
-def _tokenize_messages(record: dict, tokenizer) -> tuple[list[int], list[int]]:
+def _tokenize_messages(record: dict, tokenizer, last_turn_only: bool = False) -> tuple[list[int], list[int]]:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer; loss masks need its offsets")
     messages = record["messages"]
     full = render_conversation(messages, tokenizer)
-    spans = [
-        _assistant_span(record, i, full, tokenizer)
-        for i, m in enumerate(messages)
-        if m["role"] == "assistant" and i > 0
-    ]
+    trained = [len(messages) - 1] if last_turn_only else range(len(messages))
+    spans = [_assistant_span(record, i, full, tokenizer) for i in trained if messages[i]["role"] == "assistant" and i > 0]
     enc = tokenizer(full, add_special_tokens=not has_chat_template(tokenizer), return_offsets_mapping=True)
     mask = [int(any(a < end and b > start for start, end in spans)) for a, b in enc["offset_mapping"]]
     return list(enc["input_ids"]), mask
@@ -336,7 +370,7 @@ def _assistant_span(record: dict, i: int, full: str, tokenizer) -> tuple[int, in
     through = render_conversation(record["messages"][: i + 1], tokenizer)
     for prefix, what in ((before, f"messages[:{i}] with the generation prompt"), (through, f"messages[:{i + 1}]")):
         if not full.startswith(prefix):
-            raise ValueError(
+            raise HistoryRewritten(
                 f"record {record.get('id')!r}: the chat template renders {what} as text that is not a prefix of the "
                 "whole conversation (it rewrites earlier turns), so assistant spans cannot be located"
             )
@@ -381,11 +415,11 @@ class TokenizedDataset(torch.utils.data.Dataset):
         self.examples: list[dict] = []
         self.dropped = 0
         for record in records:
-            example = tokenize_record(record, tokenizer, max_length)
-            if sum(example["loss_mask"]) == 0:
-                self.dropped += 1
-                continue
-            self.examples.append({"id": record.get("id"), **example})
+            for example in tokenize_examples(record, tokenizer, max_length):
+                if sum(example["loss_mask"]) == 0:
+                    self.dropped += 1
+                    continue
+                self.examples.append(example)
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -12,8 +12,9 @@ reads file by file:
 Each record keeps its source's format (ShareGPT ``conversations``, UltraChat ``messages``) with its id
 prefixed by the source, so ids stay unique across the two (regeneration resumes by id). Regeneration
 keeps only system and user turns, so the datasets' own answers do not matter. ``--first-turn-only``
-keeps the first user turn (and a leading system turn) of each conversation: single-turn prompts for
-targets whose chat template is not prefix-preserving (Qwen3; see recipes/qwen3-8b/eagle3.yaml).
+keeps the first user turn (and a leading system turn) of each conversation: single-turn prompts, which
+save tokens for targets whose chat template is not prefix-preserving (Qwen3: a multi-turn conversation
+trains as one example per reply; see recipes/qwen3-8b/eagle3.yaml).
 
 Sources: the dataset names and splits are SpecForge's (scripts/prepare_data.py).
 """
