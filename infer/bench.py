@@ -737,6 +737,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     parser.add_argument("--tree", action="append", default=[], help="'chain:N', 'static:FILE.json' or "
                         "'dynamic:TOP_K,DEPTH,BUDGET' (repeatable; default chain:5). prompt-lookup ignores trees")
+    parser.add_argument(
+        "--method", nargs=2, action="append", default=[], metavar=("DRAFTER", "TREE"),
+        help="one drafter with one tree, not crossed with the others (repeatable), e.g. "
+        "--method runs/medusa/head static:tree.json --method runs/eagle/head dynamic:8,6,48",
+    )
     parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-bench / HumanEval / GSM8K jsonl(.gz), or text")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -772,23 +777,48 @@ def drafter_label(path: Path) -> str:
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
-    """Each drafter crossed with each tree; prompt lookup builds its own trie, so it runs once."""
+    """Each --drafter crossed with each tree, then each --method pair; a drafter named twice loads once.
+
+    Prompt lookup builds its own trie, so it runs once whatever the trees.
+    """
+    drafters: dict[str, Drafter] = {}
+
+    def labelled(spec: str) -> tuple[str, Drafter]:
+        if spec not in drafters:
+            drafters[spec] = build_drafter(spec, target)
+        return (spec if spec in ("prompt-lookup", "self") else drafter_label(Path(spec))), drafters[spec]
+
     methods: list[MethodSpec] = []
     for spec in args.drafter:
-        drafter = build_drafter(spec, target)
-        label = spec if spec in ("prompt-lookup", "self") else drafter_label(Path(spec))
+        label, drafter = labelled(spec)
         if isinstance(drafter, PromptLookup):
             methods.append((label, drafter, None))
             continue
         methods += [(f"{label} {name}", drafter, tree) for name, tree in trees]
+    for spec, tree_spec in args.method:
+        label, drafter = labelled(spec)
+        tree = None if isinstance(drafter, PromptLookup) else parse_tree_spec(tree_spec)
+        methods.append((label if tree is None else f"{label} {tree_label(tree_spec)}", drafter, tree))
+    names = [name for name, _, _ in methods]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"methods named twice (a drafter and tree given more than once?): {repeated}")
     return methods
+
+
+def tree_label(spec: str) -> str:
+    """A tree spec as a method label: a spec file by its file name, other specs as written."""
+    if not spec.endswith(".json"):
+        return spec
+    kind, _, rest = spec.partition(":")
+    return f"static:{Path(rest).name}" if kind == "static" else Path(spec).name
 
 
 def _trees(args: argparse.Namespace) -> list[tuple[str, TreePolicy]]:
     trees = []
     for spec in args.tree or ["chain:5"]:
         base = parse_tree_spec(spec)
-        trees += expand_sweep(args.sweep, base) if args.sweep else [(spec, base)]
+        trees += expand_sweep(args.sweep, base) if args.sweep else [(tree_label(spec), base)]
     return trees
 
 
@@ -813,10 +843,13 @@ def bench_main(args: argparse.Namespace) -> int:
         parse_baseline(spec)
     for spec in args.drafter:
         _check_drafter_spec(spec)
+    for spec, tree_spec in args.method:
+        _check_drafter_spec(spec)
+        parse_tree_spec(tree_spec)
     trees = _trees(args)
     prompts = read_prompt_file(args.prompts, args.limit)
-    if not args.drafter and not baselines:
-        raise ValueError("nothing to benchmark: give --drafter or --baselines")
+    if not args.drafter and not args.method and not baselines:
+        raise ValueError("nothing to benchmark: give --drafter, --method or --baselines")
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     torch.set_num_threads(args.threads)

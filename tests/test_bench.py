@@ -36,6 +36,7 @@ from specgraft.infer.bench import (
     parse_baseline,
     read_prompt_file,
     run_bench,
+    tree_label,
 )
 from specgraft.tree import DynamicTree
 
@@ -379,9 +380,38 @@ def test_json_flag_prints_results_json(stories, prompts_file, tmp_path, capsys):
     assert printed == json.loads((tmp_path / "out" / "results.json").read_text())
 
 
+def test_method_pairs_a_drafter_with_one_tree_without_crossing(stories, prompts_file, tmp_path, capsys):
+    spec = tmp_path / "paths.json"
+    spec.write_text(json.dumps({"kind": "static", "choices": [[0], [1], [0, 0]]}))
+    args = _args("--target", str(STORIES), "--drafter", "self", "--tree", "chain:2",
+                 "--method", "self", "dynamic:2,2,3", "--method", "self", str(spec), "--method", "prompt-lookup", "chain:9",
+                 "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--baselines", "plain",
+                 "--out", str(tmp_path / "out"), "--json")
+    assert bench_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [m["method"] for m in printed["methods"]] == [
+        "plain", "self chain:2", "self dynamic:2,2,3", "self paths.json", "prompt-lookup"]
+    assert printed["greedy_identical"]
+
+
+def test_the_same_method_twice_is_refused(stories, prompts_file, tmp_path):
+    args = _args("--target", str(STORIES), "--drafter", "self", "--tree", "chain:2", "--method", "self", "chain:2",
+                 "--prompts", str(prompts_file), "--out", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"methods named twice .*'self chain:2'"):
+        bench_main(args)
+
+
+def test_tree_labels_name_spec_files_by_file_name():
+    assert tree_label("dynamic:8,6,48") == "dynamic:8,6,48"
+    assert tree_label("/runs/tune/tree.json") == "tree.json"
+    assert tree_label("static:/runs/medusa/paths.json") == "static:paths.json"
+
+
 @pytest.mark.parametrize(
     "flags, error, message",
     [
+        (["--method", "/no/such/head", "chain:3"], FileNotFoundError, "--drafter '/no/such/head'"),
+        (["--method", "self", "spiral:3"], ValueError, "unknown tree spec 'spiral:3'"),
         (["--baselines", "plain,hf-foo"], ValueError, "unknown baseline 'hf-foo': choose from plain, hf, hf-pld"),
         (["--baselines", "hf-assisted"], ValueError, "hf-assisted needs a model directory"),
         (["--baselines", "hf-assisted:/no/such/dir"], FileNotFoundError, "/no/such/dir"),
