@@ -179,11 +179,24 @@ class TuneResult:
         return {"kind": "static", "choices": self.best.choices}
 
 
-def tune(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], *, depth: int = 6, max_new_tokens: int = 64) -> TuneResult:
+def tune(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    depth: int = 6,
+    max_new_tokens: int = 64,
+    nodes: int | None = None,
+) -> TuneResult:
+    """Measure, then size: the fastest tree, or with ``nodes`` the most valuable tree of that many draft nodes."""
+    if nodes is not None and nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
     verify_cost = measure_verify_cost(target)
     draft_cost = measure_draft_cost(target, drafter, prompts[0])
     acceptance = measure_acceptance(target, drafter, prompts, depth=depth, max_new_tokens=max_new_tokens)
-    best, candidates = size_tree(acceptance, verify_cost, draft_cost)
-    if not best.choices:  # plain decoding wins here; still hand back the best tree that speculates
+    best, candidates = size_tree(acceptance, verify_cost, draft_cost, max_nodes=nodes)
+    if nodes is not None:
+        best = candidates[-1]  # the largest size considered: exactly ``nodes`` unless fewer were measured
+    elif not best.choices:  # plain decoding wins here; still hand back the best tree that speculates
         best = max(candidates[1:], key=lambda c: c.speedup, default=best)
     return TuneResult(best, candidates, acceptance, verify_cost, draft_cost)

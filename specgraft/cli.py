@@ -116,7 +116,7 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     if drafter is None:
         raise ValueError("--drafter none has nothing to tune")
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
-    result = tune(target, drafter, prompts, depth=args.depth, max_new_tokens=args.max_new_tokens)
+    result = tune(target, drafter, prompts, depth=args.depth, max_new_tokens=args.max_new_tokens, nodes=args.nodes)
     spec = result.static_spec() if args.kind == "static" else result.dynamic_spec()
     report = {
         **spec,
@@ -133,6 +133,9 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     print("acceptance by depth (rank 0): " + ", ".join(f"{a[0]:.2f}" for a in result.acceptance))
     print(f"chosen: {len(result.best.choices)} nodes, depth {result.best.depth}, "
           f"expected {result.best.expected_tokens:.2f} tokens/step, predicted {result.best.speedup:.2f}x plain decoding")
+    if result.best.speedup < 1.0:
+        print("plain decoding (--drafter none) is predicted faster on this device: a draft round costs too much "
+              "next to a target forward; the tree written is the fastest one that speculates")
     if result.best.speedup < 1.0:
         print("plain decoding is predicted faster: on this device a draft round costs too much next to a target forward")
     print(f"tree spec written to {args.out} (use --tree {args.out})")
@@ -194,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune_p.add_argument("--depth", type=int, default=6, help="deepest level considered")
     tune_p.add_argument("--kind", choices=["dynamic", "static"], default="dynamic",
                         help="write a DynamicTree budget (EAGLE-2) or a static tree of the best nodes (Sequoia)")
+    tune_p.add_argument("--nodes", type=int, default=None,
+                        help="write the most valuable tree of exactly this many draft nodes instead of the fastest size")
     tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
     tune_p.set_defaults(func=cmd_tune_tree)
 

@@ -79,3 +79,17 @@ def test_tune_returns_a_runnable_tree(stories, dev_prompts, tmp_path, monkeypatc
     out = sg.SpeculativeGenerator(stories, sg.DraftModel(stories, stories), tree=tree).generate(prompts[0], max_new_tokens=16)
     ref = stories.model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=16)[0, len(prompts[0]):].tolist()
     assert out.token_ids == ref
+
+
+def test_tune_with_a_node_count_writes_the_most_valuable_tree_of_that_size(stories, dev_prompts, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    prompts = [stories.encode(p) for p in dev_prompts[:2]]
+    result = tune(stories, sg.DraftModel(stories, stories), prompts, depth=3, max_new_tokens=16, nodes=5)
+    assert len(result.best.choices) == 5
+    assert result.best.choices == [list(p) for _, p in best_first_paths(result.acceptance, 5)]
+    tree = StaticTree(result.static_spec()["choices"])
+    out = sg.SpeculativeGenerator(stories, sg.DraftModel(stories, stories), tree=tree).generate(prompts[0], max_new_tokens=16)
+    ref = stories.model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=16)[0, len(prompts[0]):].tolist()
+    assert out.token_ids == ref
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        tune(stories, sg.PromptLookup(), prompts, nodes=0)
