@@ -11,6 +11,10 @@ head's own outputs (training-time test): step j at column i sits at position
 i + j and sees the real prefix (step-0 pairs at columns <= i) plus its own
 earlier steps at column i.
 
+Training runs the modules (`forward`, `loss`); drafting runs the same maths
+over the same weights through `specgraft.fast_llama` (`draft_forward`, with a
+`StaticKVCache`), without transformers' per-call machinery.
+
 Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens in the
 training data; ``d2t[d]`` is the offset from draft id d to its target id and
 ``t2d`` marks target ids in the draft vocabulary (official buffer names).
@@ -29,6 +33,7 @@ from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import Eagle3Config
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.eagle import layer_config
+from specgraft.fast_llama import FastLlama, StaticKVCache, rms_norm
 from specgraft.target import KVCache, Target
 from specgraft.tree import additive_mask
 
@@ -92,6 +97,7 @@ class Eagle3Head(nn.Module):
         self.midlayer.post_attention_layernorm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
         self.norm = LlamaRMSNorm(hidden, eps=llama.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.layer_config = llama
         self.rotary = LlamaRotaryEmbedding(llama)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool))
@@ -157,21 +163,49 @@ class Eagle3Head(nn.Module):
         k, v = cache.hf.update(k, v, 0)
         return self.finish(h, self.midlayer.self_attn.attend(q, k, v, attention_mask))
 
+    def fast(self) -> FastLlama:
+        """The lean inference path over the midlayer's own weights (shared, so training updates show)."""
+        if getattr(self, "_fast", None) is None:
+            self._fast = FastLlama.for_layers([self.midlayer], self.layer_config, self.rotary)
+        return self._fast
+
+    @torch.inference_mode()
+    def draft_forward(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: StaticKVCache,
+    ) -> torch.Tensor:
+        """`forward` for drafting: the same maths without transformers' per-call machinery.
+
+        ``attention_mask`` None means causal over the cached pairs and the new ones.
+        """
+        fast = self.fast()
+        layer = fast.layers[0]  # the midlayer; its input_norm is input_layernorm (of the embedding)
+        h = h.to(layer.q.dtype)  # (B, T, H)
+        emb = F.embedding(tokens, self.embed_weight).to(h.dtype)  # (B, T, H)
+        x = torch.cat(
+            [rms_norm(emb, layer.input_norm, fast.eps), rms_norm(h, self.midlayer.hidden_norm.weight, fast.eps)], dim=-1
+        )  # (B, T, 2H), as `layer_inputs`
+        step = fast.begin_step(x, cache, position_ids, attention_mask)
+        out = h + fast.attention(0, layer, x, cache, step)  # the residual is over h, not the 2H input (`finish`)
+        return out + fast.mlp(layer, rms_norm(out, layer.post_norm, fast.eps))  # (B, T, H)
+
     # -- the FeatureDrafter interface --------------------------------------------------------------
     def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         return self.fuse(hidden)  # committed pairs feed fc(fused taps); tree nodes feed the midlayer's outputs
 
-    def new_draft_cache(self, max_len: int) -> KVCache:
-        return KVCache()
+    def new_draft_cache(self, max_len: int) -> StaticKVCache:
+        return self.fast().new_cache(max_len)
 
     def draft_step(self, h, tokens, positions, mask, cache) -> torch.Tensor:
-        if mask is None:  # causal over the cached pairs and the new ones
-            t, past = tokens.shape[1], len(cache)
-            mask = additive_mask(torch.ones(t, past + t, dtype=torch.bool, device=h.device).tril(past), h.dtype)
-        return self(h, tokens, positions, mask, cache)
+        return self.draft_forward(h, tokens, positions, mask, cache)
 
     def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
-        return self.to_target_logp(self.draft_logits(out))
+        logits = F.linear(rms_norm(out, self.norm.weight, self.fast().eps), self.lm_head.weight)  # `draft_logits`' maths
+        return self.to_target_logp(logits)
 
     # -- training-time test -----------------------------------------------------------------------
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

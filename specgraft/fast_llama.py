@@ -179,6 +179,18 @@ class StaticKVCache:
 
 
 @dataclass
+class Step:
+    """What every layer of one forward shares, from `FastLlama.begin_step`."""
+
+    start: int  # the new tokens' first cache slot: they fill [start, start + T)
+    cos: torch.Tensor  # (B, T, 1, D)
+    sin: torch.Tensor  # (B, T, 1, D), first half negated (see `rope`)
+    mask: torch.Tensor | None  # (B or 1, 1, T, L) additive or boolean, or (T, L); None: causal or one token
+    causal: bool  # no mask, several new tokens and an empty cache: SDPA's is_causal
+    repeat: int  # keys/values repeated for the query heads (1: SDPA's enable_gqa groups them if needed)
+
+
+@dataclass
 class _Layer:
     """References to one decoder layer's HF parameters (None where the model has no such weight)."""
 
@@ -266,7 +278,11 @@ class FastLlama:
 
     @classmethod
     def for_layers(cls, layers: Sequence[nn.Module], config, rotary: nn.Module) -> FastLlama:
-        """Only the decoder math over given Llama decoder layers (a draft head's), for `run_layers`."""
+        """Only the decoder math over given Llama decoder layers (a draft head's), for `run_layers`.
+
+        A layer that is not a plain Llama block (EAGLE-3's midlayer) composes `begin_step`,
+        `attention` and `mlp` itself; its q/k/v, o, MLP and norm weights are read here all the same.
+        """
         self = cls.__new__(cls)
         self.model = None
         self.num_layers = len(layers)
@@ -331,7 +347,28 @@ class FastLlama:
         states: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The decoder layers over (B, T, H) inputs after the cache's slots; inputs of ``wanted`` layers go to ``states``."""
-        b, t, _ = x.shape
+        step = self.begin_step(x, cache, position_ids, attention_mask)
+        for i, layer in enumerate(self.layers):
+            if states is not None and i in wanted:
+                states[i] = x
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
+            x = x + self.attention(i, layer, h, cache, step)
+            h = rms_norm(x, layer.post_norm, self.eps)
+            x = x + self.mlp(layer, h)
+        return x
+
+    def begin_step(
+        self, x: torch.Tensor, cache: StaticKVCache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> Step:
+        """Take cache slots for (B, T, ...) new inputs and compute what every layer's `attention` then shares.
+
+        Args:
+            x: the new inputs; only their batch, length, dtype and device are read.
+            cache: gets T more slots (see `StaticKVCache.extend`).
+            position_ids: (B or 1, T) RoPE positions of the new inputs.
+            attention_mask: as in `forward`; None means causal over the cache and the new inputs.
+        """
+        b, t = x.shape[:2]
         start = cache.extend(b, t)  # new tokens take slots [start, start + t)
         cos, sin = self._rope(x, position_ids)  # (B, T, 1, D) each
         mask, causal = attention_mask, False
@@ -343,19 +380,14 @@ class FastLlama:
         # On CPU SDPA handles grouped-query heads itself, fastest with a mask; CUDA's fused kernels need
         # enable_gqa without a mask, so there the keys/values are repeated instead.
         repeat = self.num_heads // self.kv_heads if (x.device.type != "cpu" and mask is not None) else 1
-        for i, layer in enumerate(self.layers):
-            if states is not None and i in wanted:
-                states[i] = x
-            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
-            x = x + self._attention(i, layer, h, cos, sin, cache, start, mask, causal, repeat)
-            h = rms_norm(x, layer.post_norm, self.eps)
-            x = x + self._mlp(layer, h)
-        return x
+        return Step(start, cos, sin, mask, causal, repeat)
 
-    def _attention(
-        self, index: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: StaticKVCache, start: int, mask: torch.Tensor | None, causal: bool, repeat: int,
-    ) -> torch.Tensor:
+    def attention(self, index: int, layer: _Layer, h: torch.Tensor, cache: StaticKVCache, step: Step) -> torch.Tensor:
+        """Layer ``index``'s attention block on its (B, T, K) normed input -> (B, T, H), writing its keys/values.
+
+        K is whatever width the layer's q/k/v projections read: H in a Llama layer, 2H in EAGLE-3's midlayer.
+        No residual is added.
+        """
         b, t, _ = h.shape
         q = F.linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
         k = F.linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
@@ -363,19 +395,21 @@ class FastLlama:
         if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q = rms_norm(q, layer.q_norm, self.eps)
             k = rms_norm(k, layer.k_norm, self.eps)
-        q = rope(q, cos, sin).transpose(1, 2)  # (B, Hq, T, D)
-        k = rope(k, cos, sin).transpose(1, 2)  # (B, Hkv, T, D)
-        keys, values = cache.update(index, start, k, v.transpose(1, 2))  # (B, Hkv, L, D) each
+        q = rope(q, step.cos, step.sin).transpose(1, 2)  # (B, Hq, T, D)
+        k = rope(k, step.cos, step.sin).transpose(1, 2)  # (B, Hkv, T, D)
+        keys, values = cache.update(index, step.start, k, v.transpose(1, 2))  # (B, Hkv, L, D) each
+        repeat = step.repeat
         gqa = repeat == 1 and self.num_heads != self.kv_heads
         if repeat > 1:
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)  # (B, Hq, L, D)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            q, keys, values, attn_mask=step.mask, is_causal=step.causal, scale=self.scale, enable_gqa=gqa
         )  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, Hq * D)
         return F.linear(out, layer.o, layer.o_bias)  # (B, T, H)
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """Layer's SiLU MLP on its (B, T, H) normed input -> (B, T, H); no residual is added."""
         gate = F.silu(F.linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
         return F.linear(gate * F.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
 

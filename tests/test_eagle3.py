@@ -10,6 +10,7 @@ from specgraft.heads import Eagle3Drafter, as_drafter, build_head, load_head, sa
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import Eagle3Config
 from specgraft.heads.eagle3 import default_aux_layers, ttt_visibility
+from specgraft.tree import additive_mask
 from conftest import tiny_causal_lm
 
 
@@ -117,6 +118,52 @@ def test_ttt_step0_matches_the_drafter_on_a_real_prefix(target):
     o = head.finish(h, head.midlayer.self_attn.attend(q, k, v, additive_mask(ttt_visibility(5, 0, "cpu"), q.dtype)))
     expected = head.to_target_logp(head.draft_logits(o[0, -1]))
     assert torch.allclose(logp_first, expected, atol=1e-5)
+
+
+def random_eagle3(target):
+    head = build_head(Eagle3Config(draft_vocab_size=50), target).eval()
+    torch.manual_seed(0)
+    for p in head.parameters():
+        p.data.normal_(0, 0.2)
+    return head
+
+
+def test_lean_draft_step_matches_the_module_forward(target):
+    """draft_step (fast_llama, static cache) == forward (modules, HF cache): prefix, causal step, tree step."""
+    head = random_eagle3(target)
+    hidden = target.config.hidden_size
+    lean, reference = head.new_draft_cache(64), sg.KVCache()
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    feats = torch.randn(1, 12, hidden, generator=torch.Generator().manual_seed(2))
+
+    def both(cols: slice, positions: list[int], visible: torch.Tensor, lean_mask: torch.Tensor | None):
+        h, t, pos = feats[:, cols], tokens[:, cols], torch.tensor([positions])
+        expected = head(h, t, pos, additive_mask(visible, h.dtype), reference)
+        got = head.draft_step(h, t, pos, lean_mask, lean)
+        assert len(lean) == len(reference)
+        assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+    # 5 causal pairs on an empty cache, then 3 causal pairs after them (no mask given: causal).
+    both(slice(0, 5), list(range(5)), torch.ones(5, 5, dtype=torch.bool).tril(), None)
+    both(slice(5, 8), [5, 6, 7], torch.ones(3, 8, dtype=torch.bool).tril(5), None)
+    # A 4-node tree after the 8 pairs: root 0, children 1 and 2 of 0, 3 of 2; each sees the prefix and its ancestors.
+    visible = torch.cat([torch.ones(4, 8, dtype=torch.bool), torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)], dim=1)
+    both(slice(8, 12), [8, 9, 9, 10], visible, additive_mask(visible, feats.dtype))
+
+
+def test_lean_draft_step_sees_weight_updates(target):
+    """The lean path references the module's parameters: an in-place update (an optimizer step) shows at once."""
+    head = random_eagle3(target)
+    h, tokens, positions = torch.randn(1, 3, target.config.hidden_size), torch.tensor([[3, 5, 7]]), torch.arange(3)[None]
+    before = head.draft_step(h, tokens, positions, None, head.new_draft_cache(8))
+    with torch.no_grad():
+        head.midlayer.self_attn.q_proj.weight.mul_(2)
+        head.midlayer.hidden_norm.weight.add_(0.5)
+    after = head.draft_step(h, tokens, positions, None, head.new_draft_cache(8))
+    expected = head(h, tokens, positions, additive_mask(torch.ones(3, 3, dtype=torch.bool).tril(), h.dtype), sg.KVCache())
+    assert not torch.allclose(after, before, atol=1e-3)
+    assert torch.allclose(after, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("tree", [sg.Chain(4), sg.DynamicTree(top_k=3, depth=4, budget=12)], ids=["chain", "dynamic"])
