@@ -87,7 +87,7 @@ def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
             raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
         return BenchPrompt(str(record.get("question_id", number)), str(record.get("category", "unknown")), turns[0])
-    for key, category, id_key in (("prompt", "humaneval", "task_id"), ("question", "gsm8k", None)):
+    for key, category, id_key in (("prompt", "humaneval", "task_id"), ("question", "gsm8k", None), ("text", "text", "id")):
         if key in record:
             text = record[key]
             if not isinstance(text, str) or not text:
@@ -95,18 +95,19 @@ def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
             return BenchPrompt(str(record.get(id_key, number) if id_key else number), category, text)
     raise ValueError(
         f"{where}: unknown record format with keys {sorted(record)}; expected 'turns' (Spec-Bench / MT-bench), "
-        "'prompt' (HumanEval) or 'question' (GSM8K)"
+        "'prompt' (HumanEval), 'question' (GSM8K) or 'text' (training-data text records)"
     )
 
 
 def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz) or GSM8K file, or a text file.
+    """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz), GSM8K or ``{"text"}`` file, or plain text.
 
     The format comes from the records: a file whose first non-blank line is a
     JSON object (or whose name ends in .jsonl / .jsonl.gz) is JSON lines, and
     each record's keys say which prompt set it is; anything else is plain text,
     one prompt per line. Categories come from the records ('turns' sets), or are
-    'humaneval', 'gsm8k' or 'text'.
+    'humaneval', 'gsm8k' or 'text'. ``{"id", "text"}`` records (the training
+    data's text form) make calibration prompts apart from the evaluation set.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -106,6 +106,11 @@ def test_json_lines_are_detected_from_the_records_whatever_the_suffix(tmp_path):
     assert read_prompt_file(path) == [BenchPrompt("1", "gsm8k", "Why?")]
 
 
+def test_reads_training_data_text_records(tmp_path):
+    path = _write_jsonl(tmp_path / "openings.jsonl", [{"id": "opening-0", "text": "Anna was sad."}, {"text": "A duck"}])
+    assert read_prompt_file(path) == [BenchPrompt("opening-0", "text", "Anna was sad."), BenchPrompt("2", "text", "A duck")]
+
+
 def test_limit_keeps_the_first_prompts(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("a\nb\nc\n")
@@ -116,7 +121,8 @@ def test_limit_keeps_the_first_prompts(tmp_path):
     "bad_line, message",
     [
         ('{"turns": ["ok"', "not valid JSON"),
-        ('{"text": "no known key"}', "unknown record format"),
+        ('{"content": "no known key"}', "unknown record format"),
+        ('{"text": ""}', "non-empty string"),
         ('{"turns": []}', "non-empty list"),
         ('{"prompt": 3}', "non-empty string"),
         ('["a list"]', "expected a JSON object"),
