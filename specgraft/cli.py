@@ -134,9 +134,6 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     print(f"chosen: {len(result.best.choices)} nodes, depth {result.best.depth}, "
           f"expected {result.best.expected_tokens:.2f} tokens/step, predicted {result.best.speedup:.2f}x plain decoding")
     if result.best.speedup < 1.0:
-        print("plain decoding (--drafter none) is predicted faster on this device: a draft round costs too much "
-              "next to a target forward; the tree written is the fastest one that speculates")
-    if result.best.speedup < 1.0:
         print("plain decoding is predicted faster: on this device a draft round costs too much next to a target forward")
     print(f"tree spec written to {args.out} (use --tree {args.out})")
     return 0
