@@ -1,14 +1,21 @@
 """``specgraft tune-tree``: measure this device and this drafter, then size the tree.
 
-Three measurements feed `specgraft.tree.optimize.size_tree`:
+Four measurements feed `specgraft.tree.optimize.size_tree`:
 
 1. verification cost T(n)/T(1) for n tree nodes on a real prefix, cached per
    model, dtype, device and thread count (it depends on nothing else);
 2. one draft round's cost relative to T(1);
-3. acceptance per depth and sibling rank from greedy decoding of calibration
+3. the engine's own cost: a plain decoding step and a one-draft speculative
+   step, timed interleaved; what the latter spends beyond its forward and
+   draft round is the per-step overhead of speculating;
+4. acceptance per depth and sibling rank from greedy decoding of calibration
    prompts with a chain, recording the drafter's top-R tokens at each depth:
    the target's own token at depth d (known from what the step committed)
    either sits at some rank among them or is a miss.
+
+The model ranks every tree size; the predicted-fastest tree of each depth is
+then timed for real on the calibration prompts next to plain decoding, and
+the fastest measured one is written.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import torch
 from tqdm.auto import tqdm
 
 from specgraft.heads.base import Drafter
-from specgraft.infer.generator import Decoding
+from specgraft.infer.generator import Decoding, SpeculativeGenerator
 from specgraft.infer.stopping import StopRule
 from specgraft.target import Target
-from specgraft.tree import Chain, Tree, TreeBuilder, tree_attention_mask, tree_position_ids
-from specgraft.tree.optimize import TreeChoice, size_tree
+from specgraft.tree import Chain, Tree, TreeBuilder, TreePolicy, tree_attention_mask, tree_position_ids
+from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
+from specgraft.tree.policies import tree_from_spec
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 PREFIX_TOKENS = 128  # a typical mid-generation cache length for the cost curve
@@ -153,6 +161,40 @@ def measure_draft_cost(target: Target, drafter: Drafter, prompt: Sequence[int], 
     return min(rounds) / min(one_token)  # minima: the least disturbed runs on a shared machine
 
 
+def measure_step_costs(
+    target: Target, drafter: Drafter, prompt: Sequence[int], verify_cost: dict[int, float], draft_cost: float, steps: int = 40
+) -> tuple[float, float]:
+    """(plain step, speculative step overhead), both relative to a one-token forward T(1).
+
+    A plain decoding step and a speculative step with one draft token are
+    timed in turn (minima: the least disturbed runs); the overhead is the
+    speculative step minus the plain one, minus the extra verification
+    T(2) - T(1) and the draft round: what verification, commits and the
+    drafter's bookkeeping add per step.
+    """
+    ids = torch.tensor(prompt, device=target.device)
+    plain = Decoding(target, None, Chain(1), ids)
+    spec = Decoding(target, drafter, Chain(1, draw="top-k"), ids)
+    plain.prefill()
+    spec.prefill()
+    plain_s, spec_s, one_s = [], [], []
+    for i in range(steps + 3):  # three warm-up rounds
+        start = time.perf_counter()
+        plain.step(max_depth=0)
+        middle = time.perf_counter()
+        spec.step(max_depth=1)
+        end = time.perf_counter()
+        one = measure_one_token(target, plain.cache)
+        if i >= 3:
+            plain_s.append(middle - start)
+            spec_s.append(end - middle)
+            one_s.append(one)
+    t1 = min(one_s)
+    plain_step = max(min(plain_s) / t1, 1.0)
+    overhead = (min(spec_s) - min(plain_s)) / t1 - (interpolate(verify_cost, 2) - 1.0) - draft_cost
+    return plain_step, max(overhead, 0.0)
+
+
 def measure_one_token(target: Target, cache) -> float:
     n = len(cache)
     start = time.perf_counter()
@@ -162,6 +204,50 @@ def measure_one_token(target: Target, cache) -> float:
     return elapsed
 
 
+def tree_spec(choice: TreeChoice, kind: str) -> dict:
+    """A sized tree as a spec file's dict: a DynamicTree budget (top_k covers the ranks used, depth the
+    deepest node) or the static tree of exactly those nodes."""
+    if kind == "static":
+        return {"kind": "static", "choices": choice.choices}
+    if kind != "dynamic":
+        raise ValueError(f"tree kind must be 'dynamic' or 'static', got {kind!r}")
+    top_k = max((max(p) for p in choice.choices), default=0) + 1
+    return {"kind": "dynamic", "top_k": max(top_k, 2), "depth": max(choice.depth, 1), "budget": max(len(choice.choices), 1)}
+
+
+def shortlist(candidates: Sequence[TreeChoice]) -> list[TreeChoice]:
+    """The predicted-fastest speculating tree of each depth: the trees worth timing for real."""
+    best: dict[int, TreeChoice] = {}
+    for c in candidates:
+        if c.choices and (c.depth not in best or c.speedup > best[c.depth].speedup):
+            best[c.depth] = c
+    return [best[d] for d in sorted(best)]
+
+
+def measure_speed(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    trees: Sequence[TreePolicy | None],
+    max_new_tokens: int,
+) -> list[float]:
+    """Committed tokens per second of each tree (None: plain decoding) over the prompts.
+
+    Every prompt runs every tree in turn, the order rotating from prompt to
+    prompt, so load on a shared machine falls on all of them alike.
+    """
+    generators = [SpeculativeGenerator(target, drafter if t is not None else None, tree=t) for t in trees]
+    tokens, seconds = [0] * len(trees), [0.0] * len(trees)
+    for n, ids in enumerate(tqdm(prompts, desc="timing candidate trees", leave=False)):
+        for k in range(len(trees)):
+            i = (k + n) % len(trees)
+            start = time.perf_counter()
+            out = generators[i].generate(list(ids), max_new_tokens=max_new_tokens)
+            seconds[i] += time.perf_counter() - start
+            tokens[i] += len(out.token_ids)
+    return [t / s for t, s in zip(tokens, seconds)]
+
+
 @dataclass
 class TuneResult:
     best: TreeChoice
@@ -169,14 +255,20 @@ class TuneResult:
     acceptance: list[list[float]]
     verify_cost: dict[int, float]
     draft_cost: float
+    plain_step: float = 1.0
+    step_overhead: float = 0.0
+    kind: str = "dynamic"
+    # Timed on the calibration prompts: (tree spec, or None for plain decoding, tokens/s); empty when not timed.
+    measured: list[tuple[dict | None, float]] = field(default_factory=list)
+
+    def spec(self) -> dict:
+        return tree_spec(self.best, self.kind)
 
     def dynamic_spec(self) -> dict:
-        """The DynamicTree with the chosen budget: top_k covers the ranks used, depth the deepest node."""
-        top_k = max((max(p) for p in self.best.choices), default=0) + 1
-        return {"kind": "dynamic", "top_k": max(top_k, 2), "depth": max(self.best.depth, 1), "budget": max(len(self.best.choices), 1)}
+        return tree_spec(self.best, "dynamic")
 
     def static_spec(self) -> dict:
-        return {"kind": "static", "choices": self.best.choices}
+        return tree_spec(self.best, "static")
 
 
 def tune(
@@ -187,16 +279,40 @@ def tune(
     depth: int = 6,
     max_new_tokens: int = 64,
     nodes: int | None = None,
+    kind: str = "dynamic",
+    measure: bool = True,
 ) -> TuneResult:
-    """Measure, then size: the fastest tree, or with ``nodes`` the most valuable tree of that many draft nodes."""
+    """Measure, size, then time the short list: the fastest tree, or with ``nodes`` the most valuable tree
+    of that many draft nodes.
+
+    The cost model ranks every size; the predicted-fastest tree of each depth
+    is then run for real on the calibration prompts next to plain decoding
+    (``measure``), and the fastest measured one is kept: the model does not
+    see everything a step costs (the first draft round also runs the pairs
+    just accepted, a dynamic round ranks top_k nodes).
+    """
     if nodes is not None and nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
+    tree_spec(TreeChoice([], 1.0, 1.0, 0), kind)  # a bad kind fails before anything is measured
     verify_cost = measure_verify_cost(target)
     draft_cost = measure_draft_cost(target, drafter, prompts[0])
+    plain_step, overhead = measure_step_costs(target, drafter, prompts[0], verify_cost, draft_cost)
     acceptance = measure_acceptance(target, drafter, prompts, depth=depth, max_new_tokens=max_new_tokens)
-    best, candidates = size_tree(acceptance, verify_cost, draft_cost, max_nodes=nodes)
+    best, candidates = size_tree(
+        acceptance, verify_cost, draft_cost, max_nodes=nodes, step_overhead=overhead, plain_step=plain_step
+    )
+    measured: list[tuple[dict | None, float]] = []
     if nodes is not None:
         best = candidates[-1]  # the largest size considered: exactly ``nodes`` unless fewer were measured
-    elif not best.choices:  # plain decoding wins here; still hand back the best tree that speculates
-        best = max(candidates[1:], key=lambda c: c.speedup, default=best)
-    return TuneResult(best, candidates, acceptance, verify_cost, draft_cost)
+    else:
+        if not best.choices:  # plain decoding wins here; still hand back the best tree that speculates
+            best = max(candidates[1:], key=lambda c: c.speedup, default=best)
+        if measure:
+            listed = shortlist(candidates)
+            specs = [tree_spec(c, kind) for c in listed]
+            speeds = measure_speed(
+                target, drafter, prompts, [None] + [tree_from_spec(s) for s in specs], max_new_tokens
+            )
+            measured = list(zip([None] + specs, speeds))
+            best = max(zip(listed, speeds[1:]), key=lambda pair: pair[1])[0]
+    return TuneResult(best, candidates, acceptance, verify_cost, draft_cost, plain_step, overhead, kind, measured)

@@ -116,25 +116,42 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     if drafter is None:
         raise ValueError("--drafter none has nothing to tune")
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
-    result = tune(target, drafter, prompts, depth=args.depth, max_new_tokens=args.max_new_tokens, nodes=args.nodes)
-    spec = result.static_spec() if args.kind == "static" else result.dynamic_spec()
+    result = tune(
+        target, drafter, prompts, depth=args.depth, max_new_tokens=args.max_new_tokens, nodes=args.nodes,
+        kind=args.kind, measure=not args.no_timing,
+    )
+    spec = result.spec()
     report = {
         **spec,
         "predicted_speedup_vs_plain": result.best.speedup,
         "expected_tokens_per_step": result.best.expected_tokens,
         "verify_cost": {str(n): c for n, c in result.verify_cost.items()},
         "draft_cost_per_depth": result.draft_cost,
+        "plain_step": result.plain_step,
+        "step_overhead": result.step_overhead,
         "acceptance": result.acceptance,
+        "timed": [{"tree": tree or "plain", "tokens_per_s": speed} for tree, speed in result.measured],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print("verification cost T(n)/T(1): " + ", ".join(f"{n}: {c:.2f}" for n, c in result.verify_cost.items()))
-    print(f"draft round cost: {result.draft_cost:.2f} x T(1)")
+    print(f"draft round cost: {result.draft_cost:.2f} x T(1); plain decoding step {result.plain_step:.2f} x T(1); "
+          f"speculative step overhead {result.step_overhead:.2f} x T(1)")
     print("acceptance by depth (rank 0): " + ", ".join(f"{a[0]:.2f}" for a in result.acceptance))
+    for tree, speed in result.measured:
+        print(f"timed on the calibration prompts: {tree or 'plain decoding'}: {speed:.1f} tokens/s")
     print(f"chosen: {len(result.best.choices)} nodes, depth {result.best.depth}, "
           f"expected {result.best.expected_tokens:.2f} tokens/step, predicted {result.best.speedup:.2f}x plain decoding")
-    if result.best.speedup < 1.0:
-        print("plain decoding is predicted faster: on this device a draft round costs too much next to a target forward")
+    if result.measured:
+        plain = result.measured[0][1]
+        speed = next(v for tree, v in result.measured if tree == spec)
+        print(f"measured: {speed / plain:.2f}x plain decoding on the calibration prompts")
+        slower = speed < plain
+    else:
+        slower = result.best.speedup < 1.0
+    if slower:
+        print("plain decoding is faster here: on this device a draft round and its bookkeeping cost too much "
+              "next to a target forward; the tree written is the fastest one that speculates")
     print(f"tree spec written to {args.out} (use --tree {args.out})")
     return 0
 
@@ -196,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a DynamicTree budget (EAGLE-2) or a static tree of the best nodes (Sequoia)")
     tune_p.add_argument("--nodes", type=int, default=None,
                         help="write the most valuable tree of exactly this many draft nodes instead of the fastest size")
+    tune_p.add_argument("--no-timing", action="store_true",
+                        help="trust the cost model: skip timing the short list of trees on the calibration prompts")
     tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
     tune_p.set_defaults(func=cmd_tune_tree)
 

@@ -9,6 +9,11 @@ Inputs, both measured (see ``specgraft.infer.tune``):
   a node is the product of its path's acceptance probabilities.
 - ``verify_cost[n]``: the target's forward time for n tree nodes relative to
   one token, and ``draft_cost_per_depth``: one draft round relative to it.
+- ``plain_step``: one plain decoding step (forward plus the engine's own
+  work) and ``step_overhead``: what a speculative step spends beyond its
+  forward and draft rounds (verification, commits, masks), both relative to
+  one token's forward. On a small target these are not negligible: they
+  decide whether speculation pays at all.
 
 With node values that never increase down a path or across sibling ranks,
 the best tree of n nodes is the n most valuable nodes (Sequoia's dynamic
@@ -29,7 +34,7 @@ class TreeChoice:
 
     choices: list[list[int]]  # Medusa-style paths of sibling ranks
     expected_tokens: float  # committed tokens per step (accepted drafts + the target's own)
-    relative_cost: float  # step time relative to one plain target forward
+    relative_cost: float  # step time relative to one plain decoding step
     depth: int
 
     @property
@@ -65,8 +70,14 @@ def size_tree(
     verify_cost: dict[int, float],
     draft_cost_per_depth: float,
     max_nodes: int | None = None,
+    *,
+    step_overhead: float = 0.0,
+    plain_step: float = 1.0,
 ) -> tuple[TreeChoice, list[TreeChoice]]:
     """The fastest tree under the measured costs, and the prediction for every size tried.
+
+    A tree of n draft nodes and depth D costs, in plain decoding steps,
+    ``1 + (verify_cost[n + 1] - 1 + draft_cost_per_depth * D + step_overhead) / plain_step``.
 
     Args:
         acceptance: per depth, per sibling rank, the probability the node is kept given its parent.
@@ -74,7 +85,11 @@ def size_tree(
             sizes between measured points are interpolated linearly.
         draft_cost_per_depth: one draft round's time relative to one target token.
         max_nodes: largest tree considered (default: the largest measured size - 1).
+        step_overhead: a speculative step's extra engine work, relative to one target token.
+        plain_step: one plain decoding step relative to one target token (>= 1: the forward and its bookkeeping).
     """
+    if plain_step <= 0:
+        raise ValueError(f"plain_step must be positive, got {plain_step}")
     sizes = sorted(verify_cost)
     if not sizes or sizes[0] != 1:
         raise ValueError("verify_cost must include the one-token forward (n = 1)")
@@ -85,7 +100,7 @@ def size_tree(
     for n, (value, path) in enumerate(nodes, start=1):
         value_sum += value
         depth = max(depth, len(path))
-        cost = interpolate(verify_cost, n + 1) + draft_cost_per_depth * depth
+        cost = 1.0 + (interpolate(verify_cost, n + 1) - 1.0 + draft_cost_per_depth * depth + step_overhead) / plain_step
         candidates.append(TreeChoice([list(p) for _, p in nodes[:n]], 1.0 + value_sum, cost, depth))
     return max(candidates, key=lambda c: c.speedup), candidates
 

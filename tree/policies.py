@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -256,8 +256,6 @@ def parse_tree_spec(spec: str) -> TreePolicy:
 
 def tree_from_file(path: str | Path) -> TreePolicy:
     """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, or static paths (list or {"choices"})."""
-    from specgraft.tree.dynamic import DynamicTree
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tree file {path} does not exist")
@@ -265,9 +263,19 @@ def tree_from_file(path: str | Path) -> TreePolicy:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"tree file {path} is not valid JSON: {err}") from None
+    return tree_from_spec(data, where=f"tree file {path}")
+
+
+def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
+    """A tree spec's parsed JSON (see `tree_from_file`) as a policy."""
+    from specgraft.tree.dynamic import DynamicTree
+
     if isinstance(data, dict) and data.get("kind") == "dynamic":
         try:
             return DynamicTree(top_k=int(data["top_k"]), depth=int(data["depth"]), budget=int(data["budget"]))
         except KeyError as err:
-            raise ValueError(f"tree file {path}: a dynamic tree needs {err.args[0]!r}") from None
-    return StaticTree.from_file(path)
+            raise ValueError(f"{where}: a dynamic tree needs {err.args[0]!r}") from None
+    choices = data.get("choices") if isinstance(data, dict) else data
+    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
+        raise ValueError(f"{where} must hold a list of paths like [[0], [0, 0], [1]]")
+    return StaticTree(choices)
