@@ -20,7 +20,8 @@ from specgraft.infer.tune import (
     tune,
 )
 from specgraft.tree.optimize import TreeChoice
-from specgraft.tree import DynamicTree, StaticTree, parse_tree_spec
+from specgraft.tree.policies import tree_from_spec
+from specgraft.tree import Chain, DynamicTree, StaticTree, parse_tree_spec
 from specgraft.tree.optimize import best_first_paths, interpolate, size_tree
 
 ACCEPTANCE = [[0.6, 0.15, 0.05], [0.5, 0.1], [0.45, 0.1], [0.4]]
@@ -131,7 +132,7 @@ def test_tune_returns_a_runnable_tree(stories, dev_prompts, tmp_path, monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     prompts = [stories.encode(p) for p in dev_prompts[:2]]
     result = tune(stories, sg.PromptLookup(), prompts, depth=3, max_new_tokens=16)
-    tree = DynamicTree(**{k: v for k, v in result.dynamic_spec().items() if k != "kind"})
+    tree = tree_from_spec(result.dynamic_spec())
     out = sg.SpeculativeGenerator(stories, sg.DraftModel(stories, stories), tree=tree).generate(prompts[0], max_new_tokens=16)
     ref = stories.model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=16)[0, len(prompts[0]):].tolist()
     assert out.token_ids == ref
@@ -166,6 +167,17 @@ def test_tree_spec_of_a_choice():
         tree_spec(choice, "spiral")
 
 
+def test_a_dynamic_pick_that_is_one_top1_path_is_written_as_a_chain(tmp_path):
+    path = TreeChoice([[0], [0, 0], [0, 0, 0]], 2.5, 2.0, 3)
+    assert tree_spec(path, "dynamic") == {"kind": "chain", "depth": 3}
+    assert tree_spec(path, "static") == {"kind": "static", "choices": [[0], [0, 0], [0, 0, 0]]}
+    assert tree_spec(TreeChoice([[0], [1]], 1.8, 2.0, 1), "dynamic")["kind"] == "dynamic"
+    (tmp_path / "c.json").write_text(json.dumps(tree_spec(path, "dynamic")))
+    assert parse_tree_spec(str(tmp_path / "c.json")) == Chain(3)
+    with pytest.raises(ValueError, match="a chain tree needs 'depth'"):
+        tree_from_spec({"kind": "chain"})
+
+
 def test_tune_keeps_the_fastest_timed_tree(stories, dev_prompts, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     prompts = [stories.encode(p) for p in dev_prompts[:2]]
@@ -186,8 +198,8 @@ def test_tune_tree_command_writes_the_spec_and_what_it_timed(stories, tmp_path, 
             "--limit", "2", "--max-new-tokens", "12", "--depth", "3", "--threads", "1", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["kind"] == "dynamic" and report["timed"][0]["tree"] == "plain"
-    chosen = {k: report[k] for k in ("kind", "top_k", "depth", "budget")}
+    assert report["kind"] in ("dynamic", "chain") and report["timed"][0]["tree"] == "plain"
+    chosen = {k: report[k] for k in ("kind", "top_k", "depth", "budget") if k in report}
     assert chosen in [t["tree"] for t in report["timed"][1:]]
-    assert parse_tree_spec(str(out)) == DynamicTree(report["top_k"], report["depth"], report["budget"])
+    assert parse_tree_spec(str(out)) == tree_from_spec(chosen)
     assert "chosen:" in capsys.readouterr().out

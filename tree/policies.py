@@ -255,7 +255,8 @@ def parse_tree_spec(spec: str) -> TreePolicy:
 
 
 def tree_from_file(path: str | Path) -> TreePolicy:
-    """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, or static paths (list or {"choices"})."""
+    """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, ``{"kind": "chain", "depth"}``,
+    or static paths (a list, or ``{"kind": "static", "choices"}``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tree file {path} does not exist")
@@ -270,11 +271,14 @@ def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
     """A tree spec's parsed JSON (see `tree_from_file`) as a policy."""
     from specgraft.tree.dynamic import DynamicTree
 
-    if isinstance(data, dict) and data.get("kind") == "dynamic":
-        try:
+    kind = data.get("kind") if isinstance(data, dict) else None
+    try:
+        if kind == "dynamic":
             return DynamicTree(top_k=int(data["top_k"]), depth=int(data["depth"]), budget=int(data["budget"]))
-        except KeyError as err:
-            raise ValueError(f"{where}: a dynamic tree needs {err.args[0]!r}") from None
+        if kind == "chain":
+            return Chain(depth=int(data["depth"]))
+    except KeyError as err:
+        raise ValueError(f"{where}: a {kind} tree needs {err.args[0]!r}") from None
     choices = data.get("choices") if isinstance(data, dict) else data
     if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
         raise ValueError(f"{where} must hold a list of paths like [[0], [0, 0], [1]]")
