@@ -424,18 +424,21 @@ def _check_lengths(target: Target, prompts: Sequence[BenchPrompt], encoded: Sequ
             )
 
 
-def _run_interleaved(
+def run_interleaved(
     runners: Sequence[Runner], prompts: Sequence[BenchPrompt], encoded: Sequence[list[int]],
-    max_new_tokens: int, warmup: int, progress: bool,
+    max_new_tokens: int, warmup: int, progress: bool, desc: str = "bench",
 ) -> dict[str, list[PromptRun]]:
-    """Warm every method up, then each prompt runs every method in turn, starting one later each prompt."""
+    """Warm every method up, then each prompt runs every method in turn, starting one later each prompt.
+
+    Load on a shared machine then falls on every method alike (`specgraft tune-tree` times its trees so too).
+    """
     from tqdm import tqdm
 
     for ids in encoded[:warmup]:
         for runner in runners:
             runner.generate(ids, max_new_tokens)
     runs: dict[str, list[PromptRun]] = {r.name: [] for r in runners}
-    bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not progress)
+    bar = tqdm(list(zip(prompts, encoded)), desc=desc, unit="prompt", disable=not progress)
     for index, (prompt, ids) in enumerate(bar):
         for k in range(len(runners)):
             runner = runners[(index + k) % len(runners)]
@@ -519,7 +522,7 @@ def run_bench(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runs = _run_interleaved(runners, prompts, encoded, max_new_tokens, warmup, progress)
+        runs = run_interleaved(runners, prompts, encoded, max_new_tokens, warmup, progress)
     finally:
         torch.set_num_threads(before)
     entries = [_method_entry(r, runs[r.name]) for r in runners]

@@ -31,7 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from specgraft.heads.base import Drafter
-from specgraft.infer.generator import Decoding, SpeculativeGenerator
+from specgraft.infer.bench import BenchPrompt, engine_runner, run_interleaved
+from specgraft.infer.generator import Decoding
 from specgraft.infer.stopping import StopRule
 from specgraft.target import Target
 from specgraft.tree import Chain, Tree, TreeBuilder, TreePolicy, tree_attention_mask, tree_position_ids
@@ -204,6 +205,11 @@ def measure_one_token(target: Target, cache) -> float:
     return elapsed
 
 
+def check_kind(kind: str) -> None:
+    if kind not in ("dynamic", "static"):
+        raise ValueError(f"tree kind must be 'dynamic' or 'static', got {kind!r}")
+
+
 def tree_spec(choice: TreeChoice, kind: str) -> dict:
     """A sized tree as a spec file's dict: a DynamicTree budget (top_k covers the ranks used, depth the
     deepest node) or the static tree of exactly those nodes.
@@ -211,10 +217,9 @@ def tree_spec(choice: TreeChoice, kind: str) -> dict:
     A dynamic pick that is one path of top-1 tokens is written as a chain: the
     same tree, grown without ranking a frontier (measurably cheaper per step).
     """
+    check_kind(kind)
     if kind == "static":
         return {"kind": "static", "choices": choice.choices}
-    if kind != "dynamic":
-        raise ValueError(f"tree kind must be 'dynamic' or 'static', got {kind!r}")
     if choice.choices and all(set(p) == {0} for p in choice.choices) and len(choice.choices) == choice.depth:
         return {"kind": "chain", "depth": choice.depth}
     top_k = max((max(p) for p in choice.choices), default=0) + 1
@@ -237,21 +242,15 @@ def measure_speed(
     trees: Sequence[TreePolicy | None],
     max_new_tokens: int,
 ) -> list[float]:
-    """Committed tokens per second of each tree (None: plain decoding) over the prompts.
-
-    Every prompt runs every tree in turn, the order rotating from prompt to
-    prompt, so load on a shared machine falls on all of them alike.
-    """
-    generators = [SpeculativeGenerator(target, drafter if t is not None else None, tree=t) for t in trees]
-    tokens, seconds = [0] * len(trees), [0.0] * len(trees)
-    for n, ids in enumerate(tqdm(prompts, desc="timing candidate trees", leave=False)):
-        for k in range(len(trees)):
-            i = (k + n) % len(trees)
-            start = time.perf_counter()
-            out = generators[i].generate(list(ids), max_new_tokens=max_new_tokens)
-            seconds[i] += time.perf_counter() - start
-            tokens[i] += len(out.token_ids)
-    return [t / s for t, s in zip(tokens, seconds)]
+    """Committed tokens per second of each tree (None: plain decoding) over the prompts, timed as
+    `specgraft bench` times its methods: interleaved, the order rotating from prompt to prompt."""
+    runners = [engine_runner(str(i), target, drafter if t is not None else None, t) for i, t in enumerate(trees)]
+    calibration = [BenchPrompt(str(n), "calibration", "") for n in range(len(prompts))]
+    runs = run_interleaved(
+        runners, calibration, [list(p) for p in prompts], max_new_tokens, warmup=0, progress=True,
+        desc="timing candidate trees",
+    )
+    return [sum(len(r.tokens) for r in runs[str(i)]) / sum(r.wall_s for r in runs[str(i)]) for i in range(len(trees))]
 
 
 @dataclass
@@ -299,7 +298,7 @@ def tune(
     """
     if nodes is not None and nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    tree_spec(TreeChoice([], 1.0, 1.0, 0), kind)  # a bad kind fails before anything is measured
+    check_kind(kind)  # before anything is measured
     verify_cost = measure_verify_cost(target)
     draft_cost = measure_draft_cost(target, drafter, prompts[0])
     plain_step, overhead = measure_step_costs(target, drafter, prompts[0], verify_cost, draft_cost)
