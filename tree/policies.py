@@ -194,17 +194,15 @@ class StaticTree:
     @classmethod
     def from_file(cls, path: str | Path, draw: str = "top-k") -> StaticTree:
         """Read a JSON list of paths, or an object with a "choices" list."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tree file {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"tree file {path} is not valid JSON: {err}") from None
+        return cls.from_spec(_read_json(path), f"tree file {path}", draw)
+
+    @classmethod
+    def from_spec(cls, data: Any, where: str = "tree spec", draw: str = "top-k") -> StaticTree:
+        """A parsed list of paths, or an object with a "choices" list."""
         if isinstance(data, dict):
             data = data.get("choices")
         if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
-            raise ValueError(f"tree file {path} must hold a list of paths like [[0], [0, 0], [1]]")
+            raise ValueError(f"{where} must hold a list of paths like [[0], [0, 0], [1]]")
         return cls(data, draw=draw)
 
     def grow(
@@ -257,14 +255,7 @@ def parse_tree_spec(spec: str) -> TreePolicy:
 def tree_from_file(path: str | Path) -> TreePolicy:
     """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, ``{"kind": "chain", "depth"}``,
     or static paths (a list, or ``{"kind": "static", "choices"}``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tree file {path} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"tree file {path} is not valid JSON: {err}") from None
-    return tree_from_spec(data, where=f"tree file {path}")
+    return tree_from_spec(_read_json(path), where=f"tree file {path}")
 
 
 def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
@@ -279,7 +270,14 @@ def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
             return Chain(depth=int(data["depth"]))
     except KeyError as err:
         raise ValueError(f"{where}: a {kind} tree needs {err.args[0]!r}") from None
-    choices = data.get("choices") if isinstance(data, dict) else data
-    if not isinstance(choices, list) or not all(isinstance(c, list) for c in choices):
-        raise ValueError(f"{where} must hold a list of paths like [[0], [0, 0], [1]]")
-    return StaticTree(choices)
+    return StaticTree.from_spec(data, where)
+
+
+def _read_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tree file {path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tree file {path} is not valid JSON: {err}") from None
