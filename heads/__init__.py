@@ -19,6 +19,7 @@ from specgraft.heads.draft_model import DraftModel
 from specgraft.heads.eagle import EagleDrafter, EagleHead
 from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
 from specgraft.heads.export import export_head, validate_export
+from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
@@ -53,10 +54,8 @@ def as_drafter(head: nn.Module, target: Target) -> Drafter:
     """The drafter view of a trainable head module (shares its weights)."""
     if isinstance(head, MedusaHeads):
         return MedusaDrafter(head, target)
-    if isinstance(head, EagleHead):
-        return EagleDrafter(head, target)
-    if isinstance(head, Eagle3Head):
-        return Eagle3Drafter(head, target)
+    if isinstance(head, (EagleHead, Eagle3Head)):
+        return FeatureDrafter(head, target)
     if isinstance(head, DistilledDraft):
         return DraftModel(Target(head.model, target.tokenizer, "distilled draft"), target)
     raise TypeError(f"{type(head).__name__} is not a drafter")
@@ -102,6 +101,7 @@ __all__ = [
     "Eagle3Head",
     "EagleDrafter",
     "EagleHead",
+    "FeatureDrafter",
     "HeadConfig",
     "MedusaDrafter",
     "MedusaHeads",

@@ -146,7 +146,8 @@ class Eagle3Head(nn.Module):
         return x + self.midlayer.mlp(self.midlayer.post_attention_layernorm(x))
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(out))
+        """Final norm and the draft lm_head, as plain ops (HF's RMSNorm maths): training and drafting share them."""
+        return F.linear(rms_norm(out, self.norm.weight, self.norm.variance_epsilon), self.lm_head.weight)
 
     def forward(
         self,
@@ -204,8 +205,7 @@ class Eagle3Head(nn.Module):
         return self.draft_forward(h, tokens, positions, mask, cache)
 
     def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rms_norm(out, self.norm.weight, self.fast().eps), self.lm_head.weight)  # `draft_logits`' maths
-        return self.to_target_logp(logits)
+        return self.to_target_logp(self.draft_logits(out))
 
     # -- training-time test -----------------------------------------------------------------------
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
