@@ -78,3 +78,25 @@ def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 97, seed: int = 0, 
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return model.eval()
+
+
+def numbered_kv(batch: int, heads: int, length: int, dim: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) of shape (B, heads, S, dim) whose every entry is unique across layers."""
+    raw = []
+    for layer in range(layers):
+        keys = torch.arange(batch * heads * length * dim, dtype=torch.float32).reshape(batch, heads, length, dim)
+        keys = keys + 10_000 * layer
+        raw.append((keys, -keys - 1))
+    return raw
+
+
+def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, layers: int = 2, max_len: int = 64):
+    """A StaticKVCache holding `numbered_kv`, and those raw tensors."""
+    from specgraft.fast_llama import StaticKVCache
+
+    cache = StaticKVCache(layers, heads, dim, max_len=max_len)
+    start = cache.extend(batch, length)
+    raw = numbered_kv(batch, heads, length, dim, layers)
+    for layer, (keys, values) in enumerate(raw):
+        cache.update(layer, start, keys, values)
+    return cache, raw

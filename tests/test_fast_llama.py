@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import STORIES, tiny_causal_lm
+from conftest import STORIES, filled_cache, tiny_causal_lm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import specgraft as sg
@@ -305,51 +305,11 @@ def test_fast_path_generates_what_hf_generate_does():
 # --------------------------------------------------------------------------- StaticKVCache units
 
 
-def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, layers: int = 2, max_len: int = 64):
-    """A StaticKVCache whose entry at (b, h, s, d) of layer l is unique, and the raw tensors."""
-    cache = StaticKVCache(layers, heads, dim, max_len=max_len)
-    start = cache.extend(batch, length)
-    raw = []
-    for layer in range(layers):
-        keys = torch.arange(batch * heads * length * dim, dtype=torch.float32).reshape(batch, heads, length, dim)
-        keys = keys + 10_000 * layer
-        values = -keys - 1
-        cache.update(layer, start, keys, values)
-        raw.append((keys, values))
-    return cache, raw
-
-
 def test_static_cache_len_and_layer_kv_of_an_empty_cache():
     cache = StaticKVCache(2, 3, 4, max_len=16)
     assert len(cache) == 0
     keys, values = cache.layer_kv(1)
     assert keys.shape == (1, 3, 0, 4) and values.shape == (1, 3, 0, 4)
-    cache, raw = filled_cache(length=7)
-    assert len(cache) == 7
-    assert torch.equal(cache.layer_kv(1)[0], raw[1][0]) and torch.equal(cache.layer_kv(1)[1], raw[1][1])
-
-
-def test_static_cache_keep_gathers_each_batch_rows_own_slots_behind_the_prefix():
-    cache, raw = filled_cache(batch=2, length=9)
-    prefix = 3
-    rows = torch.tensor([[0, 2, 5], [0, 1, 4]])  # per batch row, relative to the prefix
-    cache.keep(prefix, rows)
-    assert len(cache) == prefix + 3
-    for layer, (keys, values) in enumerate(raw):
-        got_k, got_v = cache.layer_kv(layer)
-        for b in range(2):
-            slots = list(range(prefix)) + (prefix + rows[b]).tolist()
-            assert torch.equal(got_k[b], keys[b][:, slots]), f"layer {layer} batch {b} keys"
-            assert torch.equal(got_v[b], values[b][:, slots]), f"layer {layer} batch {b} values"
-
-
-def test_static_cache_keep_with_one_path_for_the_whole_batch():
-    cache, raw = filled_cache(batch=2, length=8)
-    cache.keep(2, torch.tensor([0, 3, 5]))
-    slots = [0, 1, 2, 5, 7]
-    for layer, (keys, values) in enumerate(raw):
-        assert torch.equal(cache.layer_kv(layer)[0], keys[:, :, slots])
-        assert torch.equal(cache.layer_kv(layer)[1], values[:, :, slots])
 
 
 def test_static_cache_keep_of_a_contiguous_path_only_drops_the_rest():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_causal_lm
+from conftest import filled_cache, numbered_kv, tiny_causal_lm
 
 import specgraft as sg
 from specgraft.infer.generator import Decoding
@@ -269,26 +269,31 @@ def test_draft_model_with_a_policy_that_drafts_nothing_decodes_like_plain_decodi
 
 
 def hand_made_cache(batch: int = 2, heads: int = 3, length: int = 7, dim: int = 4, layers: int = 2):
-    """A KVCache whose entry at (b, h, s, d) of layer l is unique, and the raw tensors."""
+    """A KVCache holding `numbered_kv`, and those raw tensors."""
     cache = KVCache()
-    raw = []
-    for layer in range(layers):
-        keys = torch.arange(batch * heads * length * dim, dtype=torch.float32).reshape(batch, heads, length, dim)
-        keys = keys + 10_000 * layer
-        values = -keys - 1
+    raw = numbered_kv(batch, heads, length, dim, layers)
+    for layer, (keys, values) in enumerate(raw):
         cache.hf.update(keys.clone(), values.clone(), layer)
-        raw.append((keys, values))
     return cache, raw
 
 
-def test_kv_cache_len_counts_positions():
-    cache, _ = hand_made_cache(length=7)
-    assert len(cache) == 7
+# The contract both caches keep (transformers' DynamicCache behind KVCache, and the fast path's StaticKVCache).
+@pytest.fixture(params=["KVCache", "StaticKVCache"])
+def make_cache(request):
+    return {"KVCache": hand_made_cache, "StaticKVCache": filled_cache}[request.param]
+
+
+def test_an_empty_kv_cache_has_no_positions():
     assert len(KVCache()) == 0
 
 
-def test_keep_gathers_each_batch_rows_own_positions_behind_the_prefix():
-    cache, raw = hand_made_cache(batch=2, length=9)
+def test_cache_len_counts_positions(make_cache):
+    cache, _ = make_cache(length=7)
+    assert len(cache) == 7
+
+
+def test_keep_gathers_each_batch_rows_own_positions_behind_the_prefix(make_cache):
+    cache, raw = make_cache(batch=2, length=9)
     prefix = 3
     rows = torch.tensor([[0, 2, 5], [0, 1, 4]])  # per batch row, relative to the prefix
     cache.keep(prefix, rows)
@@ -301,8 +306,8 @@ def test_keep_gathers_each_batch_rows_own_positions_behind_the_prefix():
             assert torch.equal(got_v[b], values[b][:, positions]), f"layer {layer} batch {b} values"
 
 
-def test_keep_with_one_dimensional_rows_applies_to_every_batch_row():
-    cache, raw = hand_made_cache(batch=2, length=8)
+def test_keep_with_one_dimensional_rows_applies_to_every_batch_row(make_cache):
+    cache, raw = make_cache(batch=2, length=8)
     cache.keep(2, torch.tensor([0, 3, 5]))
     positions = [0, 1, 2, 5, 7]
     for layer, (keys, values) in enumerate(raw):
@@ -311,8 +316,8 @@ def test_keep_with_one_dimensional_rows_applies_to_every_batch_row():
         assert torch.equal(got_v, values[:, :, positions])
 
 
-def test_keep_of_the_root_alone_drops_every_tree_node():
-    cache, raw = hand_made_cache(batch=2, length=6)
+def test_keep_of_the_root_alone_drops_every_tree_node(make_cache):
+    cache, raw = make_cache(batch=2, length=6)
     cache.keep(4, torch.tensor([0]))
     assert len(cache) == 5
     for layer, (keys, values) in enumerate(raw):
@@ -321,8 +326,8 @@ def test_keep_of_the_root_alone_drops_every_tree_node():
         assert torch.equal(got_v, values[:, :, :5])
 
 
-def test_keep_leaves_the_prefix_untouched_with_an_empty_prefix():
-    cache, raw = hand_made_cache(batch=2, length=5)
+def test_keep_leaves_the_prefix_untouched_with_an_empty_prefix(make_cache):
+    cache, raw = make_cache(batch=2, length=5)
     cache.keep(0, torch.tensor([[4, 1], [2, 3]]))
     keys, values = raw[1]
     got_k, got_v = cache.layer_kv(1)
@@ -331,8 +336,8 @@ def test_keep_leaves_the_prefix_untouched_with_an_empty_prefix():
     assert torch.equal(got_v[1], values[1][:, [2, 3]])
 
 
-def test_crop_drops_every_position_from_length_on_in_every_layer():
-    cache, raw = hand_made_cache(batch=2, length=7)
+def test_crop_drops_every_position_from_length_on_in_every_layer(make_cache):
+    cache, raw = make_cache(batch=2, length=7)
     cache.crop(4)
     assert len(cache) == 4
     for layer, (keys, values) in enumerate(raw):
@@ -341,15 +346,15 @@ def test_crop_drops_every_position_from_length_on_in_every_layer():
         assert torch.equal(got_v, values[:, :, :4])
 
 
-def test_crop_to_the_current_length_changes_nothing():
-    cache, raw = hand_made_cache(length=7)
+def test_crop_to_the_current_length_changes_nothing(make_cache):
+    cache, raw = make_cache(length=7)
     cache.crop(7)
     assert torch.equal(cache.layer_kv(0)[0], raw[0][0])
     assert torch.equal(cache.layer_kv(1)[1], raw[1][1])
 
 
-def test_crop_to_zero_empties_the_cache():
-    cache, _ = hand_made_cache(length=7)
+def test_crop_to_zero_empties_the_cache(make_cache):
+    cache, _ = make_cache(length=7)
     cache.crop(0)
     assert len(cache) == 0
     assert cache.layer_kv(0)[0].shape == (2, 3, 0, 4)
