@@ -1,11 +1,15 @@
 """The drafter protocol: what the engine asks of anything that proposes tokens.
 
-The engine owns the committed sequence. A drafter sees it through three calls:
+A drafter holds what every generation shares (weights, settings); each
+generation holds its own `DraftState` (caches, features, n-gram index), so
+many generations can run over one loaded head without seeing each other.
+The engine owns the committed sequence and talks to a drafter in three calls:
 
-- ``reset(prompt_ids, hidden)`` once the target has prefilled a prompt;
-- ``propose(root_token, policy, max_depth, sampler)`` for a candidate tree whose root is
-  the last committed token (the one the target has not run yet);
-- ``commit(tokens, hidden)`` with the accepted path (root first), now in the
+- ``drafter.start(prompt_ids, hidden)`` once the target has prefilled a prompt,
+  giving the generation's own `DraftState`;
+- ``state.propose(root_token, policy, max_depth, sampler)`` for a candidate tree whose
+  root is the last committed token (the one the target has not run yet);
+- ``state.commit(tokens, hidden)`` with the accepted path (root first), now in the
   target's cache, and the target's hidden states at those positions.
 
 Trained heads, small draft models and prompt lookup all implement it; none
@@ -24,12 +28,8 @@ from specgraft.tree.draw import DraftSampler
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    #: HF hidden_states indices of the target that the drafter reads (empty: none).
-    hidden_layers: tuple[int, ...]
-
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        """Start a sequence. prompt_ids: (S,); hidden: layer -> (S, H) target states."""
+class DraftState(Protocol):
+    """One generation's drafting state: created by `Drafter.start`, used by that generation only."""
 
     def propose(
         self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
@@ -44,7 +44,16 @@ class Drafter(Protocol):
         """Accepted path tokens (K,), root first; hidden: layer -> (K, H)."""
 
     def cache_tokens(self) -> int:
-        """KV positions the drafter holds now (0 if it keeps no cache)."""
+        """Most KV positions the drafter held during its last proposal, draft tree included (0: no cache)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    #: HF hidden_states indices of the target that the drafter reads (empty: none).
+    hidden_layers: tuple[int, ...]
+
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> DraftState:
+        """A fresh state for one generation. prompt_ids: (S,); hidden: layer -> (S, H) target states."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """An independent small causal LM as the drafter (the classic two-model setup).
 
-The draft model keeps its own KV cache of the committed sequence. Each round
+Each generation's `DraftModelState` keeps its own KV cache of the committed
+sequence over the shared draft model. Each round
 it runs the tokens committed since the last round plus the root, then the
 tree nodes a policy expands, with tree attention. Afterwards the cache is
 cropped back to the committed sequence: nothing computed from a draft token
@@ -44,34 +45,46 @@ class DraftModel:
                 "a draft must share the target's tokenizer"
             )
         self.device = target.device
-        self.committed = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.cache = self.model.new_cache()
 
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.committed = prompt_ids.flatten().to(self.device)
-        self.cache = self.model.new_cache()
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> DraftModelState:
+        return DraftModelState(self.model, prompt_ids.flatten().tolist())
+
+
+class DraftModelState:
+    """One generation's draft cache and the committed tokens it has not run yet."""
+
+    def __init__(self, model: Target, committed: list[int]) -> None:
+        self.model = model
+        self.device = model.device
+        self.cache = model.new_cache()
+        self.length = len(committed)  # committed tokens
+        self.pending = committed  # the committed tokens after the cache's, oldest first
+        self.peak = 0
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.committed = torch.cat([self.committed, tokens.flatten().to(self.device)])
+        self.pending.extend(tokens.flatten().tolist())
+        self.length += tokens.numel()
 
     def cache_tokens(self) -> int:
-        return len(self.cache)
+        return self.peak
 
     def propose(
         self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.device)
-        round_ = DraftRound(len(self.committed), lambda: self._run_root(root_token), self._run_nodes, self.device)
+        round_ = DraftRound(self.length, lambda: self._run_root(root_token), self._run_nodes, self.device)
         try:
             return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
         finally:
-            self.cache.crop(min(len(self.cache), len(self.committed)))  # roll back every draft position
+            self.peak = len(self.cache)
+            self.cache.crop(min(len(self.cache), self.length))  # roll back every draft position
+            self.pending = self.pending[len(self.pending) - (self.length - len(self.cache)) :]
 
     def _run_root(self, root_token: int) -> torch.Tensor:
         """Catch the cache up on committed tokens, then run the root: plain causal attention."""
         start = len(self.cache)
-        ids = torch.cat([self.committed[start:], torch.tensor([root_token], device=self.device)])
+        ids = torch.tensor(self.pending + [root_token], device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
         return self.model.forward(ids[None], self.cache, positions[None]).logits[0, -1]
 

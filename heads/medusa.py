@@ -90,13 +90,20 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, target: Target) -> None:
         self.heads = heads  # not put in eval mode here: the trainer's evaluator may share the module
         self.hidden_layers = heads.hidden_layers
-        self.last_hidden: torch.Tensor | None = None  # (H,) target state at the last cached token
 
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.last_hidden = hidden[self.hidden_layers[0]][-1]
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MedusaDraftState:
+        return MedusaDraftState(self.heads, hidden[self.hidden_layers[0]][-1])
+
+
+class MedusaDraftState:
+    """One generation's Medusa state: the target's hidden state at its last cached token."""
+
+    def __init__(self, heads: MedusaHeads, last_hidden: torch.Tensor) -> None:
+        self.heads = heads
+        self.last_hidden = last_hidden  # (H,)
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.last_hidden = hidden[self.hidden_layers[0]][-1]
+        self.last_hidden = hidden[self.heads.hidden_layers[0]][-1]
 
     def cache_tokens(self) -> int:
         return 0

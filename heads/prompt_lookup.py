@@ -33,16 +33,34 @@ class PromptLookup:
             raise ValueError(f"num_tokens and max_matches must be >= 1, got {num_tokens} and {max_matches}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_tokens, self.max_matches = num_tokens, max_matches
-        self.history = torch.zeros(0, dtype=torch.long)
 
-    def reset(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.history = prompt_ids.detach().flatten().cpu()
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> PromptLookupState:
+        return PromptLookupState(self, prompt_ids.detach().flatten().tolist())
+
+
+class PromptLookupState:
+    """One generation's history and its n-gram index, extended by each commit (no rescans)."""
+
+    def __init__(self, lookup: PromptLookup, history: list[int]) -> None:
+        self.lookup = lookup
+        self.history: list[int] = []
+        # n-gram -> ends (index after its last token) of its occurrences in the history, oldest first.
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self._extend(history)
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.history = torch.cat([self.history, tokens.detach().flatten().cpu()])
+        self._extend(tokens.detach().flatten().tolist())
 
     def cache_tokens(self) -> int:
         return 0
+
+    def _extend(self, tokens: list[int]) -> None:
+        lo, hi = self.lookup.min_ngram, self.lookup.max_ngram
+        for token in tokens:
+            self.history.append(token)
+            end = len(self.history)
+            for n in range(lo, min(hi, end) + 1):
+                self.ends.setdefault(tuple(self.history[end - n :]), []).append(end)
 
     def propose(
         self, root_token: int, policy: TreePolicy | None, max_depth: int, sampler: DraftSampler | None = None
@@ -52,21 +70,19 @@ class PromptLookup:
         ``policy`` and ``sampler`` are not used: copied tokens are point masses,
         which exact verification accepts at any temperature.
         """
-        seq = torch.cat([self.history, torch.tensor([root_token])])
-        depth = min(self.num_tokens, max_depth)
-        branches = self._continuations(seq, depth) if depth > 0 else []
+        depth = min(self.lookup.num_tokens, max_depth)
+        branches = self._continuations(root_token, depth) if depth > 0 else []
         return _trie(root_token, branches)
 
-    def _continuations(self, seq: torch.Tensor, depth: int) -> list[list[int]]:
-        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            windows = seq[:-1].unfold(0, n, 1)  # (L - n, n): every earlier n-gram, not the suffix itself
-            starts = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
-            if starts.numel():
-                ends = starts.flip(0)[: self.max_matches] + n  # most recent first
-                branches = [seq[e : e + depth].tolist() for e in ends.tolist()]
-                branches = [b for b in branches if b]
-                if branches:
-                    return branches
+    def _continuations(self, root_token: int, depth: int) -> list[list[int]]:
+        """What followed the most recent earlier occurrences of the longest recurring suffix of history + root."""
+        history, size = self.history, len(self.history)
+        for n in range(min(self.lookup.max_ngram, size), self.lookup.min_ngram - 1, -1):
+            ends = self.ends.get((*history[size - n + 1 :], root_token))  # the suffix ends at the root
+            if ends:
+                recent = ends[: -self.lookup.max_matches - 1 : -1]  # most recent first
+                # A continuation may run into the root itself: history + [root] read without copying history.
+                return [history[e : e + depth] + [root_token] * (e + depth > size) for e in recent]
         return []
 
 

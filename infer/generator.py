@@ -14,7 +14,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from specgraft.heads.base import Drafter
+from specgraft.heads.base import Drafter, DraftState
+from specgraft.infer.detokenize import Detokenizer
 from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free, make_generator
 from specgraft.infer.stats import GenerationStats, StatsRecorder
 from specgraft.infer.stopping import StopRule
@@ -193,6 +194,7 @@ class Decoding:
         self.acceptance = acceptance
         self.cache = target.new_cache()
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        self.draft: DraftState | None = None  # this generation's own drafter state, from prefill on
         self.root: int | None = None
         self.recorder = StatsRecorder(lossless=acceptance == "exact")
 
@@ -204,7 +206,7 @@ class Decoding:
             last_only=True,
         )
         if self.drafter is not None:
-            self.drafter.reset(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
+            self.draft = self.drafter.start(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
         last = out.logits[0, -1]
         if self.sampler is None:
             self.root = int(self.sampling.ban(last).argmax())
@@ -217,19 +219,19 @@ class Decoding:
     def step(self, max_depth: int) -> StepResult:
         """Draft, verify and commit once."""
         prefix = len(self.cache)
-        if self.drafter is None or max_depth < 1:
+        if self.draft is None or max_depth < 1:
             tree = Tree.root_only(self.root, self.target.device)
         else:
-            tree = self.drafter.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
+            tree = self.draft.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
         mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
         out = self.target.forward(
             tree.tokens[None], self.cache, tree_position_ids(tree, prefix), mask, hidden_layers=self.hidden_layers
         )
-        kv_peak = len(self.cache) + (self.drafter.cache_tokens() if self.drafter is not None else 0)
+        kv_peak = len(self.cache) + (self.draft.cache_tokens() if self.draft is not None else 0)
         accepted = self._accept(tree, out.logits[0])
         self.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
-        if self.drafter is not None:
-            self.drafter.commit(tree.tokens[accepted.path], {i: h[0, accepted.path] for i, h in out.hidden.items()})
+        if self.draft is not None:
+            self.draft.commit(tree.tokens[accepted.path], {i: h[0, accepted.path] for i, h in out.hidden.items()})
         self.root = accepted.next_token
         tokens = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
         return StepResult(tokens=tokens, draft_tokens=tree.num_draft_tokens, kv_tokens=kv_peak)
@@ -256,26 +258,13 @@ class Decoding:
 
 
 def _stream_text(target: Target, events: Iterator[list[int] | GenerationStats]) -> Iterator[StreamChunk]:
-    """Turn token events into chunks with text deltas, decoding only the newest tokens.
+    """Turn token events into chunks with text deltas, decoding only the newest tokens (`Detokenizer`).
 
-    Incremental detokenization (as vLLM does): decode the tokens since the
-    previous chunk's start with and without the new ones and emit the
-    difference, so a tokenizer's leading-space rules cancel out. Text is held
-    back while it ends in an incomplete character; the last chunk reconciles
-    with a full decode.
+    The last chunk reconciles with one full decode, releasing any held-back text.
     """
-    ids: list[int] = []
-    shown = ""
-    prefix, read = 0, 0  # ids[prefix:read] is text already shown, kept as decoding context
+    text = Detokenizer(target.decode)
     for event in events:
         if isinstance(event, GenerationStats):
-            yield StreamChunk(token_ids=[], text=target.decode(ids)[len(shown):], stats=event)
+            yield StreamChunk(token_ids=[], text=target.decode(text.ids)[len(text.text):], stats=event)
             return
-        ids.extend(event)
-        before = target.decode(ids[prefix:read])
-        text = target.decode(ids[prefix:])
-        delta = "" if text.endswith("\ufffd") or not text.startswith(before) else text[len(before):]
-        if delta:
-            shown += delta
-            prefix, read = read, len(ids)
-        yield StreamChunk(token_ids=event, text=delta)
+        yield StreamChunk(token_ids=event, text=text.add(event))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from specgraft.infer.detokenize import Detokenizer
+
 
 class StopRule:
     """Decides, token by token, whether the generation is over.
 
     The token that triggers a stop is kept, as in transformers' ``generate``:
     an EOS id ends the output, and so does the token that completes a stop string.
+    Stop strings are matched on incrementally detokenized text (see
+    `Detokenizer`), so each token costs the same however long the output.
     """
 
     def __init__(
@@ -24,7 +28,8 @@ class StopRule:
         self.max_new_tokens = max_new_tokens
         self.eos = frozenset(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
-        self.decode = decode
+        self.text = Detokenizer(decode) if stop_strings else None
+        self.longest_stop = max(map(len, self.stop_strings), default=0)
         self.generated: list[int] = []
         self.done = False
 
@@ -39,12 +44,17 @@ class StopRule:
                 break
             kept.append(token)
             self.generated.append(token)
-            if token in self.eos or len(self.generated) >= self.max_new_tokens or self._hits_stop_string():
+            if token in self.eos or len(self.generated) >= self.max_new_tokens or self._hits_stop_string(token):
                 self.done = True
         return kept
 
-    def _hits_stop_string(self) -> bool:
-        if not self.stop_strings:
+    def _hits_stop_string(self, token: int) -> bool:
+        """Does the text this token added, with the text just before it, contain a stop string?"""
+        if self.text is None:
             return False
-        text = self.decode(self.generated)
-        return any(s in text for s in self.stop_strings)
+        delta = self.text.add([token])
+        # A match ends in the new text (the released delta, or the held-back tail) and may start
+        # up to len(stop) - 1 characters before it.
+        released = self.text.text
+        window = released[max(0, len(released) - len(delta) - self.longest_stop + 1) :] + self.text.tail
+        return any(s in window for s in self.stop_strings)

@@ -150,13 +150,13 @@ def measure_draft_cost(target: Target, drafter: Drafter, prompt: Sequence[int], 
     cache = target.new_cache()
     out = target.forward(ids[None], cache, torch.arange(len(ids), device=ids.device)[None], hidden_layers=tuple(drafter.hidden_layers))
     root = int(out.logits[0, -1].argmax())
-    drafter.reset(ids, {i: h[0] for i, h in out.hidden.items()})
+    state = drafter.start(ids, {i: h[0] for i, h in out.hidden.items()})
     chain = Chain(depth, draw="top-k")
-    drafter.propose(root, chain, depth)
+    state.propose(root, chain, depth)
     rounds, one_token = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        drafter.propose(root, chain, depth)
+        state.propose(root, chain, depth)
         rounds.append((time.perf_counter() - start) / depth)
         one_token.append(measure_one_token(target, cache))
     return min(rounds) / min(one_token)  # minima: the least disturbed runs on a shared machine

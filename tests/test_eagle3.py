@@ -94,8 +94,7 @@ def test_ttt_step0_matches_the_drafter_on_a_real_prefix(target):
     with torch.no_grad():
         out = target.model(input_ids=ids, output_hidden_states=True)
     hidden = {i: out.hidden_states[i] for i in head.hidden_layers}
-    drafter = Eagle3Drafter(head, target)
-    drafter.reset(ids[0, :5], {i: h[0, :5] for i, h in hidden.items()})
+    state = Eagle3Drafter(head, target).start(ids[0, :5], {i: h[0, :5] for i, h in hidden.items()})
     logp_first = None
 
     class Capture:
@@ -107,7 +106,7 @@ def test_ttt_step0_matches_the_drafter_on_a_real_prefix(target):
             logp_first = step(tree, torch.tensor([0]))[0]
             return tree
 
-    drafter.propose(int(ids[0, 5]), Capture(), 1)
+    state.propose(int(ids[0, 5]), Capture(), 1)
     # Training's view: column 4 pairs (f_4, t_5) and predicts t_6.
     h = head.fuse(hidden)[:, :5]
     x = head.layer_inputs(h, ids[:, 1:6])

@@ -72,9 +72,9 @@ def draft(drafter, target, prompt, depth=4):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = target.model(input_ids=ids, output_hidden_states=True)
-    drafter.reset(ids[0], {i: out.hidden_states[i][0] for i in drafter.hidden_layers})
+    state = drafter.start(ids[0], {i: out.hidden_states[i][0] for i in drafter.hidden_layers})
     recorder = RecordChain()
-    tree = drafter.propose(int(out.logits[0, -1].argmax()), recorder, depth)
+    tree = state.propose(int(out.logits[0, -1].argmax()), recorder, depth)
     return tree.tokens.tolist(), torch.stack(recorder.logps)
 
 

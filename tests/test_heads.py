@@ -88,11 +88,10 @@ def test_eagle_tree_drafting_matches_sequential_drafting(tiny_target):
     prompt = torch.tensor([1, 5, 9, 14])
     out = tiny_target.forward(prompt[None], tiny_target.new_cache(), torch.arange(4)[None], hidden_layers=head.hidden_layers)
     hidden = {i: h[0] for i, h in out.hidden.items()}
-    drafter = EagleDrafter(head, tiny_target)
-    drafter.reset(prompt, hidden)
-    tree = drafter.propose(7, sg.StaticTree([[0], [1], [0, 0], [1, 0], [1, 0, 0]]), 3)
+    state = EagleDrafter(head, tiny_target).start(prompt, hidden)
+    tree = state.propose(7, sg.StaticTree([[0], [1], [0, 0], [1, 0], [1, 0, 0]]), 3)
     for path in tree.paths():
-        chain = drafter.propose(7, ForcedPath(tree.tokens[path[1:]].tolist()), len(path) - 1)
+        chain = state.propose(7, ForcedPath(tree.tokens[path[1:]].tolist()), len(path) - 1)
         assert torch.equal(chain.tokens, tree.tokens[path])
         assert torch.allclose(chain.scores, tree.scores[path], atol=1e-5)
 
@@ -137,8 +136,14 @@ def test_eagle_cache_holds_only_committed_pairs_after_each_step(tiny_target):
     decoding.prefill()
     for _ in range(6):
         decoding.step(max_depth=3)
-        assert drafter.cache_tokens() <= len(drafter.tokens)
-        assert len(drafter.features) == len(drafter.tokens) == len(decoding.cache)
+        state = decoding.draft
+        committed = len(decoding.cache)  # tokens before the root: the drafter's committed sequence
+        assert state.length == committed
+        # Only pairs of committed tokens stay: the root's pair (f_{n-1}, root) is run again next round.
+        assert len(state.cache) <= committed - 1
+        # Pending rows are exactly those the cache has not consumed: f_j from len(cache), t_j from len(cache) + 1.
+        assert len(state.cache) + len(state.features) == committed
+        assert len(state.cache) + 1 + len(state.next_tokens) == committed
 
 
 @pytest.mark.parametrize("config", [MedusaConfig(num_heads=2), EagleConfig()], ids=lambda c: c.type)

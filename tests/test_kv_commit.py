@@ -62,14 +62,19 @@ class RecordingDrafter:
     def __init__(self, inner: sg.DraftModel) -> None:
         self.inner = inner
         self.hidden_layers = inner.hidden_layers
-        self.after_propose: list[tuple[int, int]] = []  # (len(draft cache), len(draft committed))
+        self.after_propose: list[tuple[int, int]] = []  # (len(draft cache), committed tokens)
 
-    def reset(self, prompt_ids, hidden):
-        self.inner.reset(prompt_ids, hidden)
+    def start(self, prompt_ids, hidden):
+        return RecordingState(self.inner.start(prompt_ids, hidden), self.after_propose)
+
+
+class RecordingState:
+    def __init__(self, inner, after_propose: list[tuple[int, int]]) -> None:
+        self.inner, self.after_propose = inner, after_propose
 
     def propose(self, root_token, policy, max_depth, *args, **kwargs):
         tree = self.inner.propose(root_token, policy, max_depth, *args, **kwargs)
-        self.after_propose.append((len(self.inner.cache), len(self.inner.committed)))
+        self.after_propose.append((len(self.inner.cache), self.inner.length))
         return tree
 
     def commit(self, tokens, hidden):
@@ -94,8 +99,10 @@ class OracleDrafter:
         self.ref, self.vocab, self.depth = continuation, vocab_size, depth
         self.generated = 0
 
-    def reset(self, prompt_ids, hidden):
+    def start(self, prompt_ids, hidden):
+        """One generation at a time: the oracle is its own state."""
         self.generated = 1  # the root chosen by prefill
+        return self
 
     def commit(self, tokens, hidden):
         self.generated += len(tokens)  # the path (root first) plus the next root
@@ -235,13 +242,14 @@ def test_draft_model_cache_holds_only_committed_tokens_after_every_step(stories,
 
     def check(decoding, generated):
         committed = prompt + generated[:-1]
-        if drafter.committed.tolist() != committed:
-            problems.append(f"step {len(problems)}: draft committed sequence differs from the target's")
-        n = len(drafter.cache)
+        state = decoding.draft
+        n = len(state.cache)
+        if n + len(state.pending) != len(committed) or state.pending != committed[n:]:
+            problems.append(f"step {len(problems)}: the draft's cached + pending tokens differ from the target's")
         if n > len(committed):
             problems.append(f"draft cache holds {n} positions, only {len(committed)} are committed")
             return
-        diff = kv_difference(drafter.cache, fresh_prefill(drafter.model, committed[:n]), drafter.model.num_layers)
+        diff = kv_difference(state.cache, fresh_prefill(drafter.model, committed[:n]), drafter.model.num_layers)
         if diff >= TOL:
             problems.append(f"draft cache differs from a fresh prefill of the committed tokens by {diff:.2e}")
 

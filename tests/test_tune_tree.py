@@ -107,12 +107,20 @@ class SlowCommit:
         self.drafter, self.seconds = drafter, seconds
         self.hidden_layers = drafter.hidden_layers
 
+    def start(self, prompt_ids, hidden):
+        return SlowCommitState(self.drafter.start(prompt_ids, hidden), self.seconds)
+
+
+class SlowCommitState:
+    def __init__(self, state, seconds: float) -> None:
+        self.state, self.seconds = state, seconds
+
     def __getattr__(self, name):
-        return getattr(self.drafter, name)
+        return getattr(self.state, name)
 
     def commit(self, tokens, hidden) -> None:
         time.sleep(self.seconds)
-        self.drafter.commit(tokens, hidden)
+        self.state.commit(tokens, hidden)
 
 
 def test_step_overhead_measures_the_engine_work_beyond_forward_and_draft(stories, dev_prompts):

@@ -160,10 +160,9 @@ def test_greedy_accept_matches_the_reference_walk(case):
 # --- PromptLookup ---------------------------------------------------------------------------
 
 
-def lookup(history: list[int], **kwargs) -> PromptLookup:
-    drafter = PromptLookup(**kwargs)
-    drafter.reset(torch.tensor(history), {})
-    return drafter
+def lookup(history: list[int], **kwargs):
+    """A prompt-lookup state over ``history`` (one generation's)."""
+    return PromptLookup(**kwargs).start(torch.tensor(history, dtype=torch.long), {})
 
 
 def test_trie_merges_continuations_with_a_shared_prefix():

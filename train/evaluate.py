@@ -83,9 +83,9 @@ def depth_accuracy(
                 )
             root = int(out.logits[0, -1].argmax())
             path = greedy_path(target, prefix + [root], depth)
-            drafter.reset(torch.tensor(prefix, device=target.device), {i: h[0] for i, h in out.hidden.items()})
+            state = drafter.start(torch.tensor(prefix, device=target.device), {i: h[0] for i, h in out.hidden.items()})
             policy = ForcedChain(path)
-            drafter.propose(root, policy, depth)
+            state.propose(root, policy, depth)
             for d, logp in enumerate(policy.recorded):
                 top5 = logp.topk(5).indices.tolist()
                 hits1[d] += int(top5[0] == path[d])
