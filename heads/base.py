@@ -44,7 +44,7 @@ class DraftState(Protocol):
         """Accepted path tokens (K,), root first; hidden: layer -> (K, H)."""
 
     def cache_tokens(self) -> int:
-        """Most KV positions the drafter held during its last proposal, draft tree included (0: no cache)."""
+        """Most KV positions held since the last commit, a proposal's draft tree included (0: no cache)."""
 
 
 @runtime_checkable

@@ -64,6 +64,7 @@ class DraftModelState:
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
         self.pending.extend(tokens.flatten().tolist())
         self.length += tokens.numel()
+        self.peak = len(self.cache)
 
     def cache_tokens(self) -> int:
         return self.peak

@@ -61,6 +61,7 @@ class FeatureDraftState:
         self.features = torch.cat([self.features, self.head.draft_features(hidden)])
         self.next_tokens = torch.cat([self.next_tokens, tokens.flatten().to(self.device)])
         self.length += tokens.numel()
+        self.peak = len(self.cache)
 
     def cache_tokens(self) -> int:
         return self.peak

@@ -314,8 +314,8 @@ def aggregate(runs: Sequence[GenerationStats | Mapping[str, Any]], wall_s: Seque
     """One method's stats over prompts, each key reduced as a reader of the table would expect.
 
     - ``new_tokens``, ``target_calls``, ``accept_length_histogram``: sums.
-    - ``mean_accepted_length``: total tokens after the first call / total target
-      calls (each prompt's tau weighted by its target calls).
+    - ``mean_accepted_length``: total tokens the verifications committed / total
+      target calls (each prompt's tau weighted by its target calls).
     - ``draft_tokens_per_token``: total draft tokens / total new tokens.
     - ``ttft_s``, ``tokens_per_s``, ``itl_p50_s``, ``itl_p99_s``: medians over
       prompts of the per-prompt values (the p99 is each prompt's own p99, not a pooled one).

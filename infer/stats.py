@@ -12,7 +12,9 @@ class GenerationStats:
 
     new_tokens: int = 0
     target_calls: int = 0  # target forward passes after prefill
-    mean_accepted_length: float = 0.0  # tau: committed tokens per target call, bonus included
+    # tau and the histogram count what each verification committed, bonus included, before a stop rule
+    # (EOS, stop string) cut the last step: they measure the drafter, not where the text ended.
+    mean_accepted_length: float = 0.0  # tau: committed tokens per target call
     accept_length_histogram: list[int] = field(default_factory=list)  # [i] = steps committing i + 1 tokens
     draft_tokens_per_token: float = 0.0
     ttft_s: float = 0.0
@@ -73,7 +75,7 @@ class StatsRecorder:
         return GenerationStats(
             new_tokens=self.new_tokens,
             target_calls=len(self.step_tokens),
-            mean_accepted_length=(self.new_tokens - 1) / len(self.step_tokens) if self.step_tokens else 0.0,
+            mean_accepted_length=sum(self.step_tokens) / len(self.step_tokens) if self.step_tokens else 0.0,
             accept_length_histogram=histogram,
             draft_tokens_per_token=self.draft_tokens / self.new_tokens if self.new_tokens else 0.0,
             ttft_s=ttft,

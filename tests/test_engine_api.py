@@ -178,7 +178,7 @@ def test_stats_histogram_accounts_for_every_token_after_the_first(stories, promp
 
 
 @pytest.mark.parametrize("kind", DRAFTERS)
-def test_stats_mean_accepted_length_is_tokens_after_the_first_per_target_call(stories, prompt_ids, kind):
+def test_stats_mean_accepted_length_is_tokens_after_the_first_per_target_call_without_a_cut(stories, prompt_ids, kind):
     stats = make_generator(stories, kind).generate(prompt_ids, max_new_tokens=N, eos_token_id=()).stats
     assert stats.mean_accepted_length == pytest.approx((stats.new_tokens - 1) / stats.target_calls)
 
@@ -207,6 +207,31 @@ def test_draft_model_kv_peak_counts_the_draft_cache_too(stories, prompt_ids):
     stats = make_generator(stories, "self_chain").generate(prompt_ids, max_new_tokens=N, eos_token_id=()).stats
     target_only = len(prompt_ids) + N - 1
     assert target_only + len(prompt_ids) <= stats.kv_cache_tokens_peak <= 2 * (len(prompt_ids) + N) + 5
+
+
+def test_draft_model_kv_peak_counts_both_draft_trees(stories, prompt_ids):
+    """Target and draft caches at their fullest, each holding the step's draft tree (exact: all accepted)."""
+    stats = make_generator(stories, "self_chain").generate(prompt_ids, max_new_tokens=N, eos_token_id=()).stats
+    peak, done = 0, 1
+    while done < N:
+        d = min(5, N - done - 1)  # the step's chain depth
+        cached = len(prompt_ids) + done - 1  # committed tokens before the root, in both caches
+        # target: the cache plus root and d nodes; draft: the cache plus root and the d - 1 nodes it expanded
+        peak = max(peak, (cached + d + 1) + (cached + d))
+        done += d + 1
+    assert stats.kv_cache_tokens_peak == peak
+
+
+def test_stats_count_the_last_step_before_a_stop_cut(stories, prompt_ids, reference):
+    """tau and the histogram both count what verification committed, also in the step an EOS cut short."""
+    # An EOS in the middle of a self-drafted chain step (steps commit 6 tokens after the first).
+    k = next(k for k in range(1, N) if k % 6 not in (0, 5) and reference[k] not in reference[:k])
+    stats = make_generator(stories, "self_chain").generate(prompt_ids, max_new_tokens=N, eos_token_id=reference[k]).stats
+    committed = sum((i + 1) * count for i, count in enumerate(stats.accept_length_histogram))
+    assert stats.new_tokens == k + 1
+    assert committed > stats.new_tokens - 1  # the cut dropped tokens the last step had committed
+    assert sum(stats.accept_length_histogram) == stats.target_calls
+    assert stats.mean_accepted_length == pytest.approx(committed / stats.target_calls)
 
 
 def test_self_draft_chain_draft_tokens_per_token_counts_every_proposed_node(stories, prompt_ids):
@@ -438,3 +463,39 @@ def test_drafter_not_implementing_the_protocol_raises_type_error(tiny_target, dr
 def test_generator_rejects_a_raw_hf_model_as_target():
     with pytest.raises(TypeError, match="load_target"):
         sg.SpeculativeGenerator(tiny_causal_lm("llama"), None)
+
+
+# --------------------------------------------------------------------------- per-token costs stay flat
+
+
+def test_stop_rule_decodes_a_bounded_window_per_token(stories, dev_prompts):
+    """The stop-string check decodes only the newest tokens: its work per token does not grow with the output."""
+    from specgraft.infer.stopping import StopRule
+
+    ids = stories.encode(" ".join(dev_prompts))  # long real text
+    assert len(ids) > 300
+    windows: list[int] = []
+
+    def decode(part):
+        windows.append(len(part))
+        return stories.decode(part)
+
+    stop = "no such words"
+    rule = StopRule(len(ids) + 1, (), (stop,), decode)
+    for token in ids:
+        rule.accept([token])
+    assert not rule.done and rule.text.text + rule.text.tail == stories.decode(ids)
+    assert max(windows) <= 8, f"decoded windows of up to {max(windows)} tokens"
+
+
+def test_stop_rule_fires_at_the_token_a_full_decode_would(stories, dev_prompts):
+    """Incremental matching agrees with matching the whole decoded output, token by token."""
+    from specgraft.infer.stopping import StopRule
+
+    ids = stories.encode(dev_prompts[5] + " " + dev_prompts[6])
+    text = stories.decode(ids)
+    for stop in (text[40:47], text[-5:], text[len(text) // 2 : len(text) // 2 + 12], " "):
+        want = next(k for k in range(len(ids)) if stop in stories.decode(ids[: k + 1]))
+        rule = StopRule(len(ids), (), (stop,), stories.decode)
+        kept = rule.accept(ids)
+        assert len(kept) == want + 1, stop

@@ -144,6 +144,7 @@ def test_eagle_cache_holds_only_committed_pairs_after_each_step(tiny_target):
         # Pending rows are exactly those the cache has not consumed: f_j from len(cache), t_j from len(cache) + 1.
         assert len(state.cache) + len(state.features) == committed
         assert len(state.cache) + 1 + len(state.next_tokens) == committed
+        assert len(state.features) <= 1 + 4  # f_{n-1} and this step's accepted path: nothing re-copied
 
 
 @pytest.mark.parametrize("config", [MedusaConfig(num_heads=2), EagleConfig()], ids=lambda c: c.type)

@@ -270,3 +270,32 @@ def test_commit_extends_the_history_searched():
 def test_constructor_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         PromptLookup(**kwargs)
+
+
+def reference_continuations(history: list[int], root: int, depth: int, max_ngram: int, min_ngram: int, max_matches: int):
+    """The definition, by brute force: continuations after the most recent matches of the longest suffix."""
+    seq = history + [root]
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        ends = [s + n for s in range(len(history) - n + 1) if seq[s : s + n] == seq[-n:]]
+        if ends:
+            return [seq[e : e + depth] for e in ends[::-1][:max_matches]]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prompt_lookup_index_agrees_with_a_full_scan_as_the_history_grows(seed):
+    """The n-gram index, extended commit by commit, proposes what scanning the whole history would."""
+    from specgraft.heads.prompt_lookup import _trie
+
+    gen = torch.Generator().manual_seed(seed)
+    settings = dict(max_ngram=3, min_ngram=1, max_matches=3)
+    history = torch.randint(0, 5, (6,), generator=gen).tolist()
+    state = PromptLookup(num_tokens=4, **settings).start(torch.tensor(history), {})
+    for _ in range(40):
+        root = int(torch.randint(0, 5, (1,), generator=gen))
+        want = _trie(root, reference_continuations(history, root, 4, **settings))
+        got = state.propose(root, None, max_depth=4)
+        assert (got.tokens.tolist(), got.parents.tolist()) == (want.tokens.tolist(), want.parents.tolist())
+        step = [root] + torch.randint(0, 5, (int(torch.randint(0, 3, (1,), generator=gen)),), generator=gen).tolist()
+        state.commit(torch.tensor(step), {})
+        history += step

@@ -103,14 +103,15 @@ def mean_accepted_length(
 ) -> dict[str, float]:
     """Greedy speculative decoding over ``prompts``: tau over all steps, and throughput."""
     gen = SpeculativeGenerator(target, drafter, tree=tree)
-    tokens = calls = 0
+    committed = calls = tokens = 0
     seconds = 0.0
     for prompt in prompts:
         stats = gen.generate(prompt, max_new_tokens=max_new_tokens).stats
-        tokens += stats.new_tokens - 1
+        committed += stats.mean_accepted_length * stats.target_calls  # as GenerationStats counts tau
         calls += stats.target_calls
+        tokens += stats.new_tokens - 1
         seconds += (stats.new_tokens - 1) / stats.tokens_per_s if stats.tokens_per_s else 0.0
-    return {"mean_accepted_length": tokens / calls if calls else 0.0, "tokens_per_s": tokens / seconds if seconds else 0.0}
+    return {"mean_accepted_length": committed / calls if calls else 0.0, "tokens_per_s": tokens / seconds if seconds else 0.0}
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
