@@ -1,6 +1,7 @@
 """The engine: verification, KV commit, stop rules, stats and the decode loop."""
 
 from specgraft.infer.generator import Decoding, GenerationOutput, SpeculativeGenerator, StreamChunk
+from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.stats import GenerationStats
 from specgraft.infer.verify import Acceptance, greedy_accept
 
@@ -9,6 +10,7 @@ __all__ = [
     "Decoding",
     "GenerationOutput",
     "GenerationStats",
+    "Scheduler",
     "SpeculativeGenerator",
     "StreamChunk",
     "greedy_accept",

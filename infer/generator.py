@@ -10,7 +10,7 @@ second loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -22,6 +22,9 @@ from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, greedy_accept, sample_accept, typical_accept
 from specgraft.target import Target
 from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
+
+if TYPE_CHECKING:
+    from specgraft.infer.scheduler import Scheduler
 
 Prompt = str | Sequence[int] | torch.Tensor
 
@@ -86,12 +89,40 @@ class SpeculativeGenerator:
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, **options) -> Iterator[StreamChunk]:
         """Yield committed tokens step by step with their text; the last chunk carries the stats.
 
-        Takes the options of `_start` (temperature, top_k, top_p, min_p,
+        Takes the options of `_begin` (temperature, top_k, top_p, min_p,
         banned_token_ids, seed, eos_token_id, stop, ...).
         """
         yield from _stream_text(self.target, self._start(prompt, max_new_tokens, **options))
 
-    def _start(
+    def scheduler(self, max_batch_size: int = 16) -> Scheduler:
+        """A continuous-batching scheduler over this generator's target, drafter and tree (see `Scheduler`)."""
+        from specgraft.infer.scheduler import Scheduler
+
+        return Scheduler(self, max_batch_size=max_batch_size)
+
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128, **options) -> list[GenerationOutput]:
+        """Generate a completion for each prompt, all of them advancing together step by step.
+
+        Each option (as `generate` takes them) is one value for every prompt or a
+        list with one value per prompt; see `per_prompt_options`.
+        """
+        from specgraft.infer.scheduler import per_prompt_options
+
+        sched = self.scheduler(max_batch_size=max(1, len(prompts)))
+        handles = [
+            sched.submit(prompt, **opts)
+            for prompt, opts in zip(prompts, per_prompt_options(len(prompts), max_new_tokens=max_new_tokens, **options))
+        ]
+        while not all(sched.finished(h) for h in handles):
+            sched.step()
+        return [sched.result(h) for h in handles]
+
+    def _start(self, prompt: Prompt, max_new_tokens: int = 128, **options) -> Iterator[list[int] | GenerationStats]:
+        """Validate the options and run the decode loop: lists of committed tokens, then the stats."""
+        decoding, rule = self._begin(prompt, max_new_tokens, **options)
+        return decoding.run(rule)
+
+    def _begin(
         self,
         prompt: Prompt,
         max_new_tokens: int = 128,
@@ -106,8 +137,8 @@ class SpeculativeGenerator:
         stop: str | Sequence[str] | None = None,
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
-    ) -> Iterator[list[int] | GenerationStats]:
-        """Validate the options and run the decode loop: lists of committed tokens, then the stats.
+    ) -> tuple[Decoding, StopRule]:
+        """Validate the options; the generation's own `Decoding` and `StopRule`, nothing run yet.
 
         Args:
             prompt: text (encoded with the target's tokenizer) or token ids.
@@ -143,7 +174,7 @@ class SpeculativeGenerator:
         decode = self.target.decode if self.target.tokenizer is not None else None
         rule = StopRule(max_new_tokens, eos, stops, decode)
         decoding = Decoding(self.target, self.drafter, self.tree, prompt_ids, policy, sampler, self.acceptance)
-        return decoding.run(rule)
+        return decoding, rule
 
     def _prompt_ids(self, prompt: Prompt) -> torch.Tensor:
         if isinstance(prompt, str):
@@ -244,16 +275,21 @@ class Decoding:
             return typical_accept(tree, p, self.sampler.generator)
         return sample_accept(tree, p, self.sampler.generator)
 
+    def advance(self, rule: StopRule) -> list[int]:
+        """Prefill on the first call, then one step; the tokens ``rule`` keeps."""
+        if self.root is None:
+            return rule.accept([self.prefill()])
+        self.recorder.begin_step()
+        result = self.step(max_depth=rule.remaining() - 1)
+        kept = rule.accept(result.tokens)
+        self.recorder.end_step(len(result.tokens), len(kept), result.draft_tokens, result.kv_tokens)
+        return kept
+
     def run(self, rule: StopRule) -> Iterator[list[int] | GenerationStats]:
         """Yield the kept tokens of each step, then the final stats."""
-        first = rule.accept([self.prefill()])
-        yield first
+        yield self.advance(rule)
         while not rule.done:
-            self.recorder.begin_step()
-            result = self.step(max_depth=rule.remaining() - 1)
-            kept = rule.accept(result.tokens)
-            self.recorder.end_step(len(result.tokens), len(kept), result.draft_tokens, result.kv_tokens)
-            yield kept
+            yield self.advance(rule)
         yield self.recorder.finish()
 
 
