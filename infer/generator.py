@@ -20,7 +20,8 @@ from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free,
 from specgraft.infer.stats import GenerationStats, StatsRecorder
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, greedy_accept, sample_accept, typical_accept
-from specgraft.target import Target
+from specgraft.fast_llama import StaticKVCache
+from specgraft.target import KVCache, Target
 from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
 if TYPE_CHECKING:
@@ -217,13 +218,14 @@ class Decoding:
         sampling: SamplingPolicy | None = None,
         sampler: Sampler | None = None,
         acceptance: str = "exact",
+        cache: KVCache | StaticKVCache | None = None,
     ) -> None:
         self.target, self.drafter, self.policy = target, drafter, policy
         self.prompt_ids = prompt_ids
         self.sampling = sampling or SamplingPolicy(temperature=0.0)
         self.sampler = sampler  # None: greedy
         self.acceptance = acceptance
-        self.cache = target.new_cache()
+        self.cache = cache if cache is not None else target.new_cache()  # a scheduler passes its row
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         self.draft: DraftState | None = None  # this generation's own drafter state, from prefill on
         self.root: int | None = None
@@ -250,19 +252,31 @@ class Decoding:
     def step(self, max_depth: int) -> StepResult:
         """Draft, verify and commit once."""
         prefix = len(self.cache)
-        if self.draft is None or max_depth < 1:
-            tree = Tree.root_only(self.root, self.target.device)
-        else:
-            tree = self.draft.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
+        tree = self.propose(max_depth)
         mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
         out = self.target.forward(
             tree.tokens[None], self.cache, tree_position_ids(tree, prefix), mask, hidden_layers=self.hidden_layers
         )
-        kv_peak = len(self.cache) + (self.draft.cache_tokens() if self.draft is not None else 0)
-        accepted = self._accept(tree, out.logits[0])
+        return self.commit(tree, prefix, out.logits[0], {i: h[0] for i, h in out.hidden.items()})
+
+    def propose(self, max_depth: int) -> Tree:
+        """This step's tree: the drafter's, or the root alone (plain decoding, or no room left to draft)."""
+        if self.draft is None or max_depth < 1:
+            return Tree.root_only(self.root, self.target.device)
+        return self.draft.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
+
+    def commit(self, tree: Tree, prefix: int, logits: torch.Tensor, hidden: dict[int, torch.Tensor]) -> StepResult:
+        """Accept a path of the verified ``tree`` and keep only it, in the target's cache and the drafter's.
+
+        Args:
+            tree: the step's tree, its nodes in the cache's slots from ``prefix`` on (padding may follow).
+            logits: (N, V) the target's logits at the tree's nodes; hidden: layer -> (N, H) at them.
+        """
+        kv_peak = prefix + tree.num_nodes + (self.draft.cache_tokens() if self.draft is not None else 0)
+        accepted = self._accept(tree, logits)
         self.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
         if self.draft is not None:
-            self.draft.commit(tree.tokens[accepted.path], {i: h[0, accepted.path] for i, h in out.hidden.items()})
+            self.draft.commit(tree.tokens[accepted.path], {i: h[accepted.path] for i, h in hidden.items()})
         self.root = accepted.next_token
         tokens = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
         return StepResult(tokens=tokens, draft_tokens=tree.num_draft_tokens, kv_tokens=kv_peak)
@@ -280,7 +294,10 @@ class Decoding:
         if self.root is None:
             return rule.accept([self.prefill()])
         self.recorder.begin_step()
-        result = self.step(max_depth=rule.remaining() - 1)
+        return self.record(rule, self.step(max_depth=rule.remaining() - 1))
+
+    def record(self, rule: StopRule, result: StepResult) -> list[int]:
+        """Pass a step's tokens through ``rule`` and into the stats; the tokens kept."""
         kept = rule.accept(result.tokens)
         self.recorder.end_step(len(result.tokens), len(kept), result.draft_tokens, result.kv_tokens)
         return kept

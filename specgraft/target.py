@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from specgraft.batched_cache import BatchedKVCache
 from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -211,6 +212,34 @@ class Target:
         hidden = {i: out.hidden_states[i] for i in hidden_layers}
         return ModelOutput(logits=out.logits.float(), hidden=hidden)
 
+
+    def new_batched_cache(self, rows: int, max_len: int | None = None) -> BatchedKVCache | None:
+        """Rows of KV slots for a batch of sequences (fast path only; None: this target runs rows one by one)."""
+        if self.fast is None:
+            return None
+        fast = self.fast
+        return BatchedKVCache(
+            fast.num_layers, fast.kv_heads, fast.head_dim, rows=rows, max_len=max_len or self.max_context + TREE_SLOTS,
+            dtype=fast.embed.dtype, device=fast.embed.device,
+        )
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,
+        cache: BatchedKVCache,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        hidden_layers: Sequence[int] = (),
+    ) -> ModelOutput:
+        """One forward over rows 0..B-1 of ``cache``, each row's T new tokens after its own length.
+
+        Args:
+            input_ids, position_ids: (B, T).
+            attention_mask: (B, 1, T, max row length + T) additive, one per row (`batched_tree_inputs`).
+        """
+        logits, hidden = self.fast.forward(input_ids, cache, position_ids, attention_mask, tuple(hidden_layers))
+        return ModelOutput(logits=logits.float(), hidden=hidden)
 
 def _fast_path(model: PreTrainedModel, fast: bool | str) -> FastLlama | None:
     """The fast forward for ``model`` as ``fast`` asks ("auto", True or False), or None for HF's."""

@@ -275,13 +275,14 @@ def test_several_eos_ids_end_the_output_at_the_first_of_any(stories, prompt_ids,
     assert out.token_ids == hf_generate(stories, prompt_ids, N, eos_token_id=[late, early])
 
 
-def test_eos_cutting_a_step_short_still_counts_only_kept_tokens(stories, prompt_ids, reference):
+def test_eos_cutting_a_step_short_counts_kept_tokens_as_new_and_committed_ones_in_tau(stories, prompt_ids, reference):
     eos = reference[20]
     out = make_generator(stories, "self_chain").generate(prompt_ids, max_new_tokens=N, eos_token_id=eos)
     committed = sum((i + 1) * c for i, c in enumerate(out.stats.accept_length_histogram))
     assert committed > len(out.token_ids) - 1  # the last step committed tokens past the EOS
     assert out.stats.new_tokens == len(out.token_ids)
-    assert out.stats.mean_accepted_length == pytest.approx((len(out.token_ids) - 1) / out.stats.target_calls)
+    # tau is on the histogram's basis: what verification committed, before the EOS cut
+    assert out.stats.mean_accepted_length == pytest.approx(committed / out.stats.target_calls)
 
 
 def _tiny_prompt_with_eos(tiny_target) -> tuple[list[int], list[int]]:

@@ -1,7 +1,7 @@
 """Pure tree logic (torch only, never transformers): trees, masks, positions, policies."""
 
 from specgraft.tree.dynamic import DynamicTree
-from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
+from specgraft.tree.mask import additive_mask, batched_tree_inputs, tree_attention_mask, tree_position_ids
 from specgraft.tree.policies import Chain, StaticTree, TreeBuilder, TreePolicy, parse_tree_spec
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
@@ -14,6 +14,7 @@ __all__ = [
     "TreeBuilder",
     "TreePolicy",
     "additive_mask",
+    "batched_tree_inputs",
     "parse_tree_spec",
     "tree_attention_mask",
     "tree_position_ids",

@@ -28,3 +28,39 @@ def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torc
 def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
     """(1, N) positions: a node at depth d sits d places after the root at ``prefix_len``."""
     return (prefix_len + tree.depth)[None]
+
+
+def batched_tree_inputs(
+    trees: list[Tree], prefix_lens: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, positions and mask for verifying one tree per row in one forward.
+
+    Row b's T new tokens (its N_b nodes, then padding up to the widest tree)
+    take cache slots [prefix_b, prefix_b + T); the keys span slots
+    [0, max prefix + T). A node sees its row's prefix, its ancestors and itself;
+    a padding query sees only itself (its output is never read), and nothing of
+    another row's slots or of stale slots past the row's own is visible.
+
+    Returns:
+        tokens: (B, T) node tokens; padding repeats the root's token (masked, never read).
+        positions: (B, T) prefix_b + depth; padding sits at prefix_b.
+        mask: (B, 1, T, max(prefix_lens) + T) additive float in ``dtype``.
+    """
+    device = trees[0].tokens.device
+    b, t = len(trees), max(tree.num_nodes for tree in trees)
+    width = max(prefix_lens) + t
+    tokens = torch.empty(b, t, dtype=torch.long, device=device)
+    positions = torch.empty(b, t, dtype=torch.long, device=device)
+    visible = torch.zeros(b, t, width, dtype=torch.bool, device=device)
+    pad = torch.arange(t, device=device)
+    for row, (tree, prefix) in enumerate(zip(trees, prefix_lens)):
+        n = tree.num_nodes
+        tokens[row] = tree.tokens[0]
+        tokens[row, :n] = tree.tokens
+        positions[row] = prefix
+        positions[row, :n] = prefix + tree.depth
+        visible[row, :n, :prefix] = True
+        visible[row, :n, prefix : prefix + n] = tree.ancestor_mask()
+        visible[row, pad[n:], prefix + pad[n:]] = True
+    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    return tokens, positions, blocked.masked_fill(visible, 0.0)[:, None]
