@@ -95,11 +95,11 @@ class SpeculativeGenerator:
         """
         yield from _stream_text(self.target, self._start(prompt, max_new_tokens, **options))
 
-    def scheduler(self, max_batch_size: int = 16) -> Scheduler:
+    def scheduler(self, max_batch_size: int = 16, max_len: int | None = None) -> Scheduler:
         """A continuous-batching scheduler over this generator's target, drafter and tree (see `Scheduler`)."""
         from specgraft.infer.scheduler import Scheduler
 
-        return Scheduler(self, max_batch_size=max_batch_size)
+        return Scheduler(self, max_batch_size=max_batch_size, max_len=max_len)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128, **options) -> list[GenerationOutput]:
         """Generate a completion for each prompt, all of them advancing together step by step.

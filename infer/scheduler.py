@@ -2,14 +2,19 @@
 
 A server submits requests as they arrive and calls `Scheduler.step` in a
 loop; each step advances every running generation by one speculative step
-and returns the tokens each committed. A new generation is prefilled in its
-own forward when it joins (its first token comes from that step); one that
-finishes or is cancelled leaves at once and frees its cache rows. Every
-generation owns its state (target cache, drafter state, sampler, stop rule,
-stats), so rows never see each other; loaded weights are shared.
+and returns the tokens each committed. A new generation joins between steps:
+its prompt is prefilled in its own forward (its first token), then it takes
+part in that same step's verification. One that finishes or is cancelled
+leaves at once and frees its cache row. Every generation owns its state
+(target cache row, drafter state, sampler, stop rule, stats), so rows never
+see each other; loaded weights are shared.
 
-Today each running generation's step runs its own target forward, one after
-another; the API is the one a batched forward sits behind.
+One step: each row's drafter grows its own tree (its own size and depth),
+then one target forward verifies every row's tree over a `BatchedKVCache`
+(trees padded to the widest, a 4D mask per row, positions per row), then
+each row accepts and commits its own path. Targets without the fast path
+(Hugging Face's forward) verify row by row instead: transformers' caches
+hold one length for the whole batch.
 """
 
 from __future__ import annotations
@@ -19,10 +24,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from specgraft.infer.stopping import StopRule
+from specgraft.tree import batched_tree_inputs
+
+from specgraft.target import TREE_SLOTS
 
 if TYPE_CHECKING:
     from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator
 
+# Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
+# 8K context would take gigabytes); pass max_len to go further.
+DEFAULT_MAX_LEN = 4096
 # Options whose natural value is already a sequence: per-prompt values are a list of such values.
 SEQUENCE_OPTIONS = ("stop", "eos_token_id", "banned_token_ids")
 
@@ -34,6 +45,7 @@ class _Sequence:
     decoding: Decoding
     rule: StopRule
     token_ids: list[int] = field(default_factory=list)
+    row: int | None = None  # its row of the batched cache while running
 
 
 class Scheduler:
@@ -42,6 +54,8 @@ class Scheduler:
     Args:
         generator: supplies the target, drafter, tree and option validation.
         max_batch_size: most generations running at once; more wait in a queue, first come first served.
+        max_len: most tokens (prompt + new) of one generation: the slots each cache row holds
+            beside one tree. Default: the target's context, at most `DEFAULT_MAX_LEN`.
 
     Usage::
 
@@ -52,11 +66,16 @@ class Scheduler:
         out = sched.result(h)                  # a GenerationOutput, handed over once
     """
 
-    def __init__(self, generator: SpeculativeGenerator, *, max_batch_size: int = 16) -> None:
+    def __init__(self, generator: SpeculativeGenerator, *, max_batch_size: int = 16, max_len: int | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        target = generator.target
+        self.max_len = max_len or min(target.max_context, DEFAULT_MAX_LEN)
+        if not 1 <= self.max_len <= target.max_context:
+            raise ValueError(f"max_len={max_len} must lie in [1, {target.max_context}] (the target's context)")
         self.generator = generator
         self.max_batch_size = max_batch_size
+        self.cache = target.new_batched_cache(max_batch_size, self.max_len + TREE_SLOTS)  # None: row by row
         self.queued: OrderedDict[int, _Sequence] = OrderedDict()
         self.running: OrderedDict[int, _Sequence] = OrderedDict()
         self.done: dict[int, GenerationOutput] = {}
@@ -65,30 +84,76 @@ class Scheduler:
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, **options: Any) -> int:
         """Queue a generation; returns its handle. Bad options raise here, before anything runs."""
         decoding, rule = self.generator._begin(prompt, max_new_tokens, **options)
+        if len(decoding.prompt_ids) + rule.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(decoding.prompt_ids)} tokens) + max_new_tokens ({rule.max_new_tokens}) exceeds "
+                f"this scheduler's max_len of {self.max_len} tokens"
+            )
         handle = self._next_handle
         self._next_handle += 1
         self.queued[handle] = _Sequence(decoding, rule)
         return handle
 
     def step(self) -> dict[int, list[int]]:
-        """Admit queued generations into free rows, advance every running one once.
+        """Admit queued generations into free rows, then advance every running one by one step.
 
         Returns the tokens each generation committed in this step (a newly
-        admitted one: its first token, from its prefill). Finished generations
-        leave the batch within the step.
+        admitted one: its first token, from its prefill, and its first
+        step's). Finished generations leave the batch within the step.
         """
+        committed: dict[int, list[int]] = {}
         while self.queued and len(self.running) < self.max_batch_size:
             handle, seq = self.queued.popitem(last=False)
+            if self.cache is not None:
+                seq.row, seq.decoding.cache = self.cache.acquire()
             self.running[handle] = seq
-        committed: dict[int, list[int]] = {}
+            committed[handle] = self._keep(seq, seq.decoding.advance(seq.rule))  # prefill: the first token
+        live = [(h, seq) for h, seq in self.running.items() if not seq.rule.done]
+        if self.cache is not None and len(live) > 1:
+            for handle, kept in self._verify_together(live).items():
+                committed[handle] = committed.get(handle, []) + kept
+        else:
+            for handle, seq in live:
+                committed[handle] = committed.get(handle, []) + self._keep(seq, seq.decoding.advance(seq.rule))
         for handle, seq in list(self.running.items()):
-            kept = seq.decoding.advance(seq.rule)
-            seq.token_ids.extend(kept)
-            committed[handle] = kept
             if seq.rule.done:
-                del self.running[handle]
+                self._leave(handle)
                 self.done[handle] = self._output(seq)
         return committed
+
+    def _verify_together(self, live: list[tuple[int, _Sequence]]) -> dict[int, list[int]]:
+        """One speculative step for every live row: each drafts its tree, one forward verifies them all."""
+        target = self.generator.target
+        trees, prefixes = {}, {}
+        for _, seq in live:
+            decoding = seq.decoding
+            decoding.recorder.begin_step()
+            prefixes[seq.row] = len(decoding.cache)
+            trees[seq.row] = decoding.propose(seq.rule.remaining() - 1)
+        batch = max(trees) + 1  # rows 0..batch-1 run; free rows among them are padding only
+        tokens, positions, mask = batched_tree_inputs(
+            [trees.get(r) for r in range(batch)], [prefixes.get(r, 0) for r in range(batch)], target.dtype
+        )
+        out = target.forward_rows(tokens, self.cache, positions, mask, hidden_layers=live[0][1].decoding.hidden_layers)
+        kept = {}
+        for handle, seq in live:
+            row, n = seq.row, trees[seq.row].num_nodes
+            hidden = {i: h[row, :n] for i, h in out.hidden.items()}
+            result = seq.decoding.commit(trees[row], prefixes[row], out.logits[row, :n], hidden)
+            kept[handle] = self._keep(seq, seq.decoding.record(seq.rule, result))
+        return kept
+
+    @staticmethod
+    def _keep(seq: _Sequence, tokens: list[int]) -> list[int]:
+        seq.token_ids.extend(tokens)
+        return tokens
+
+    def _leave(self, handle: int) -> None:
+        """Take a generation out of the running batch and free its cache row."""
+        seq = self.running.pop(handle)
+        if seq.row is not None:
+            self.cache.release(seq.row)
+            seq.row = None
 
     def finished(self, handle: int) -> bool:
         """Whether the generation has finished (its result is waiting). Unknown handles raise KeyError."""
@@ -105,8 +170,10 @@ class Scheduler:
     def cancel(self, handle: int) -> None:
         """Stop a queued or running generation now and free its rows; its handle is forgotten."""
         self._check(handle)
-        for table in (self.queued, self.running, self.done):
-            table.pop(handle, None)
+        if handle in self.running:
+            self._leave(handle)
+        self.queued.pop(handle, None)
+        self.done.pop(handle, None)
 
     def tokens(self, handle: int) -> list[int]:
         """The tokens a queued or running generation has kept so far."""

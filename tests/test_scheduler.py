@@ -53,7 +53,8 @@ def test_step_reports_each_generations_new_tokens_and_they_add_up(stories, promp
     seen = {h: [] for h in handles}
     first = sched.step()
     assert set(first) == set(handles[:2])  # the third waits for a free row
-    assert all(len(tokens) == 1 for tokens in first.values())  # a joining row's first token, from its prefill
+    # a joining row: its first token (from its prefill), then its first speculative step's tokens
+    assert all(len(tokens) >= 2 for tokens in first.values())
     for h, tokens in first.items():
         seen[h] += tokens
     while not all(sched.finished(h) for h in handles):
@@ -105,3 +106,88 @@ def test_per_prompt_options_take_one_value_or_one_per_prompt():
     ]
     with pytest.raises(ValueError, match="'seed' has 3 values for 2 prompts"):
         per_prompt_options(2, seed=[1, 2, 3])
+
+
+def test_a_free_row_between_running_rows_is_padding_only(stories, prompts):
+    """Cancel the middle of three rows: rows 0 and 2 keep verifying together, each exactly as alone."""
+    gen = make(stories, "self_tree")
+    sched = gen.scheduler(max_batch_size=3)
+    a, b, c = (sched.submit(p, max_new_tokens=36, eos_token_id=()) for p in prompts[:3])
+    sched.step()
+    sched.cancel(b)
+    assert sched.cache.views[1] is None and sched.cache.views[0] is not None and sched.cache.views[2] is not None
+    while not (sched.finished(a) and sched.finished(c)):
+        sched.step()
+    for h, prompt in ((a, prompts[0]), (c, prompts[2])):
+        out = sched.result(h)
+        alone = gen.generate(prompt, max_new_tokens=36, eos_token_id=())
+        assert out.token_ids == alone.token_ids
+        assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram
+
+
+def hf_greedy(target, ids: list[int], n: int, eos) -> list[int]:
+    import torch
+
+    x = torch.tensor([ids])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, eos_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def eight(stories, dev_prompts):
+    """8 prompts of different lengths, budgets and stop rules; some end early on EOS or a stop string."""
+    prompts = [stories.encode(p) for p in dev_prompts[8:16]]
+    budgets = [48, 20, 64, 33, 41, 12, 57, 28]
+    refs = [hf_greedy(stories, p, n, None) for p, n in zip(prompts, budgets)]
+    eos = [None] * 8
+    eos[2] = [refs[2][30]]  # EOS partway through: the reference ends at its first occurrence
+    stops = [None] * 8
+    stops[4] = [stories.decode(refs[4])[20:26]]
+    return prompts, budgets, eos, stops
+
+
+def with_random_head(target, kind: str):
+    import torch
+
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import EagleConfig, MedusaConfig
+
+    config, tree = {
+        "eagle_dynamic": (EagleConfig(), sg.DynamicTree(top_k=4, depth=5, budget=16)),
+        "medusa_static": (MedusaConfig(num_heads=3), sg.StaticTree(BRANCHING_TREE)),
+    }[kind]
+    head = build_head(config, target).eval()
+    gen = torch.Generator().manual_seed(0)
+    for p in head.parameters():
+        p.data.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return sg.SpeculativeGenerator(target, as_drafter(head, target), tree=tree)
+
+
+@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "self_tree", "eagle_dynamic", "medusa_static"])
+def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind):
+    prompts, budgets, eos, stops = eight
+    gen = make(stories, kind) if kind in ("plain", "prompt_lookup", "self_tree") else with_random_head(stories, kind)
+    eos_opts = [() if e is None else e for e in eos]
+    outs = gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos_opts, stop=stops)
+    for i, out in enumerate(outs):
+        alone = gen.generate(prompts[i], max_new_tokens=budgets[i], eos_token_id=eos_opts[i], stop=stops[i])
+        assert out.token_ids == alone.token_ids, f"row {i}"
+        assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram, f"row {i}"
+        ref = hf_greedy(stories, prompts[i], budgets[i], eos[i])
+        if stops[i]:
+            assert stops[i][0] in stories.decode(out.token_ids) and out.token_ids == ref[: len(out.token_ids)]
+        else:
+            assert out.token_ids == ref, f"row {i}"
+    assert len(outs[2].token_ids) < budgets[2] and len(outs[4].token_ids) < budgets[4]  # really ended early
+
+
+def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(prompts):
+    from conftest import STORIES
+
+    target = sg.load_target(STORIES, fast=False)
+    gen = make(target, "self_tree")
+    sched = gen.scheduler(max_batch_size=3)
+    assert sched.cache is None  # no batched cache over transformers' caches
+    outs = gen.generate_batch(prompts[:3], max_new_tokens=[16, 24, 9], eos_token_id=())
+    for prompt, n, out in zip(prompts, [16, 24, 9], outs):
+        assert out.token_ids == gen.generate(prompt, max_new_tokens=n, eos_token_id=()).token_ids

@@ -31,7 +31,7 @@ def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
 
 
 def batched_tree_inputs(
-    trees: list[Tree], prefix_lens: list[int], dtype: torch.dtype
+    trees: list[Tree | None], prefix_lens: list[int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, positions and mask for verifying one tree per row in one forward.
 
@@ -39,28 +39,29 @@ def batched_tree_inputs(
     take cache slots [prefix_b, prefix_b + T); the keys span slots
     [0, max prefix + T). A node sees its row's prefix, its ancestors and itself;
     a padding query sees only itself (its output is never read), and nothing of
-    another row's slots or of stale slots past the row's own is visible.
+    another row's slots or of stale slots past the row's own is visible. A row
+    without a tree (None: a free row) is padding only.
 
     Returns:
-        tokens: (B, T) node tokens; padding repeats the root's token (masked, never read).
+        tokens: (B, T) node tokens; padding holds token 0 (masked, never read).
         positions: (B, T) prefix_b + depth; padding sits at prefix_b.
         mask: (B, 1, T, max(prefix_lens) + T) additive float in ``dtype``.
     """
-    device = trees[0].tokens.device
-    b, t = len(trees), max(tree.num_nodes for tree in trees)
+    real = [tree for tree in trees if tree is not None]
+    device = real[0].tokens.device
+    b, t = len(trees), max(tree.num_nodes for tree in real)
     width = max(prefix_lens) + t
-    tokens = torch.empty(b, t, dtype=torch.long, device=device)
-    positions = torch.empty(b, t, dtype=torch.long, device=device)
+    tokens = torch.zeros(b, t, dtype=torch.long, device=device)
+    positions = torch.tensor(prefix_lens, device=device)[:, None].repeat(1, t)
     visible = torch.zeros(b, t, width, dtype=torch.bool, device=device)
     pad = torch.arange(t, device=device)
     for row, (tree, prefix) in enumerate(zip(trees, prefix_lens)):
-        n = tree.num_nodes
-        tokens[row] = tree.tokens[0]
-        tokens[row, :n] = tree.tokens
-        positions[row] = prefix
-        positions[row, :n] = prefix + tree.depth
-        visible[row, :n, :prefix] = True
-        visible[row, :n, prefix : prefix + n] = tree.ancestor_mask()
+        n = 0 if tree is None else tree.num_nodes
+        if n:
+            tokens[row, :n] = tree.tokens
+            positions[row, :n] = prefix + tree.depth
+            visible[row, :n, :prefix] = True
+            visible[row, :n, prefix : prefix + n] = tree.ancestor_mask()
         visible[row, pad[n:], prefix + pad[n:]] = True
     blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
     return tokens, positions, blocked.masked_fill(visible, 0.0)[:, None]
