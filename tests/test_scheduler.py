@@ -191,3 +191,80 @@ def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(promp
     outs = gen.generate_batch(prompts[:3], max_new_tokens=[16, 24, 9], eos_token_id=())
     for prompt, n, out in zip(prompts, [16, 24, 9], outs):
         assert out.token_ids == gen.generate(prompt, max_new_tokens=n, eos_token_id=()).token_ids
+
+
+# --------------------------------------------------------------------------- exact sampling, many rows at once
+
+SAMPLING_VOCAB, SAMPLING_LENGTH = 6, 3
+ROW_TEMPERATURES = (0.5, 1.0, 1.5, 1.0)  # one batch of 4 rows, each with its own temperature (and filter)
+ROW_FILTERS = ({}, {"top_k": 3}, {}, {"top_p": 0.8})
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    """A fast-path target over 6 tokens with soft, enumerable distributions, and a different draft model."""
+    import torch
+    from conftest import tiny_causal_lm
+
+    models = []
+    for seed in (0, 5):
+        model = tiny_causal_lm("llama", vocab_size=SAMPLING_VOCAB, seed=seed)
+        with torch.no_grad():
+            model.lm_head.weight.div_(10.0)  # undo most of the builder's sharpening: every token keeps real mass
+        models.append(model)
+    target = sg.load_target(models[0])
+    assert target.fast is not None  # rows are verified together on the fast path
+    return target, sg.DraftModel(models[1], target)
+
+
+def enumerated(target, prompt: list[int], temperature: float, filters: dict) -> dict[tuple[int, ...], float]:
+    """P(x_1..x_L | prompt) for every continuation, from the target's own forward and the sampling filters."""
+    import torch
+
+    from specgraft.infer.sampling import SamplingPolicy
+
+    policy = SamplingPolicy(temperature=temperature, **filters)
+    probs: dict[tuple[int, ...], float] = {}
+
+    def walk(seq: tuple[int, ...], p: float) -> None:
+        if len(seq) == SAMPLING_LENGTH:
+            probs[seq] = p
+            return
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt + list(seq)])).logits[0, -1].float()
+        for token, q in enumerate(policy.probs(logits).tolist()):
+            if q > 0:
+                walk(seq + (token,), p * q)
+
+    walk((), 1.0)
+    return probs
+
+
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, tree):
+    """32 rows per step (the 4 row settings, 8 times over) through one scheduler, wave after wave."""
+    from collections import Counter
+
+    import torch
+
+    from specgraft.infer.exactness import fit
+
+    target, draft = small_vocab_pair
+    policy = sg.Chain(3, draw="sample") if tree == "chain" else sg.StaticTree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], draw="sample")
+    sched = sg.SpeculativeGenerator(target, draft, tree=policy).scheduler(max_batch_size=32, max_len=16)
+    prompts = ([0, 1, 2, 0, 1], [3, 4, 5], [1, 1, 2, 2], [5, 0, 3, 2, 4, 1])  # rows differ, so a mix-up shows
+    settings = [dict(temperature=t, **f) for t, f in zip(ROW_TEMPERATURES, ROW_FILTERS)]
+    torch.manual_seed(7)  # unseeded rows draw their seeds from torch's global RNG
+    counts = [Counter() for _ in settings]
+    for _ in range(2400 // 8):  # 2,400 samples per row setting
+        handles = [
+            (i % 4, sched.submit(prompts[i % 4], max_new_tokens=SAMPLING_LENGTH, eos_token_id=(), **settings[i % 4]))
+            for i in range(32)
+        ]
+        while not sched.idle:
+            sched.step()
+        for i, handle in handles:
+            counts[i][tuple(sched.result(handle).token_ids)] += 1
+    for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
+        result = fit(counter, enumerated(target, prompt, temperature, filters))
+        assert result.passed, f"T={temperature} {filters}: {result}"
