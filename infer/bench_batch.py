@@ -1,0 +1,166 @@
+"""Throughput against batch size: each method decodes B prompts at a time through the scheduler.
+
+    specgraft bench --target ../shared/models/stories260K --drafter prompt-lookup \
+        --prompts ../shared/data/story_prompts_dev.jsonl --batch-size 1,2,4,8,16 --out /tmp/bench-batch
+
+Speculation spends spare compute on drafts that may be rejected: at batch 1
+the target forward is memory- or overhead-bound and verifying a tree is
+nearly free, at large batch the forward is compute-bound and every rejected
+node costs real work. This sweep shows where it stops paying. For each batch
+size the prompts are cut into groups of B; each group runs every method in
+turn (the order rotates from group to group), greedy, so every method must
+give plain decoding's tokens.
+
+Per-request figures come from each row's `GenerationStats` (TTFT counts from
+the batch's submission, ITL shares each step's time among its tokens); total
+tokens/s is all new tokens of a group over the group's wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from specgraft.heads.base import Drafter
+from specgraft.infer.generator import SpeculativeGenerator
+from specgraft.infer.stats import percentile
+from specgraft.target import Target
+from specgraft.tree import TreePolicy
+
+PLOT = "throughput_vs_batch_size.png"
+
+
+def run_batch_sweep(
+    target: Target,
+    methods: Sequence[tuple[str, Drafter | None, TreePolicy | None]],
+    prompts: Sequence[list[int]],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every method at every batch size over the same prompts; see the module doc.
+
+    Raises:
+        ValueError: a batch size larger than the number of prompts, or a method other than
+            plain decoding first (it is the reference every output is checked against).
+    """
+    from tqdm import tqdm
+
+    if not methods or methods[0][1] is not None:
+        raise ValueError("the first method must be plain decoding (drafter None): it is the reference")
+    if max(batch_sizes) > len(prompts) or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes {list(batch_sizes)} need 1 <= B <= the {len(prompts)} prompts given")
+    gens = [(name, SpeculativeGenerator(target, drafter, tree=tree)) for name, drafter, tree in methods]
+    for _, gen in gens:  # warm-up: one short batch each
+        gen.generate_batch(list(prompts[:2]), max_new_tokens=8, eos_token_id=())
+    rows, mismatches = [], []
+    for b in batch_sizes:
+        groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)]
+        runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
+        for index, group in enumerate(tqdm(groups, desc=f"batch {b}", unit="group", disable=not progress)):
+            for k in range(len(gens)):
+                name, gen = gens[(index + k) % len(gens)]
+                start = time.perf_counter()
+                outs = gen.generate_batch(group, max_new_tokens=max_new_tokens, eos_token_id=())
+                runs[name].append((outs, time.perf_counter() - start))
+        reference = runs[gens[0][0]]
+        for name, method_runs in runs.items():
+            for (outs, _), (ref, _) in zip(method_runs, reference):
+                mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
+            rows.append(_summary(name, b, method_runs))
+    return {
+        "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                     "batch_sizes": list(batch_sizes), "decoding": "greedy",
+                     "order": "interleaved per group of B prompts; the method order rotates by one each group"},
+        "rows": rows,
+        "crossover": crossover(rows),
+        "greedy_identical": not mismatches,
+        "mismatches": mismatches,
+    }
+
+
+def _summary(name: str, batch_size: int, runs: Sequence[tuple[list, float]]) -> dict[str, Any]:
+    stats = [out.stats for outs, _ in runs for out in outs]
+    tokens = sum(s.new_tokens for s in stats)
+    wall = sum(w for _, w in runs)
+    per_request = sorted(out.stats.new_tokens / w for outs, w in runs for out in outs)
+    ttft = sorted(s.ttft_s for s in stats)
+    itl50 = sorted(s.itl_p50_s for s in stats)
+    itl99 = sorted(s.itl_p99_s for s in stats)
+    calls = sum(s.target_calls for s in stats)
+    return {
+        "method": name,
+        "batch_size": batch_size,
+        "requests": len(stats),
+        "total_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "request_tokens_per_s_p50": statistics.median(per_request),
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "itl_p50_s": percentile(itl50, 0.5), "itl_p99_s": percentile(itl99, 0.99),
+        "mean_accepted_length": sum(s.mean_accepted_length * s.target_calls for s in stats) / calls if calls else 0.0,
+    }
+
+
+def crossover(rows: Sequence[Mapping[str, Any]]) -> int | None:
+    """The smallest batch size at which plain decoding's total throughput is at least every other method's."""
+    sizes = sorted({r["batch_size"] for r in rows})
+    plain = rows[0]["method"]
+    for b in sizes:
+        at = [r for r in rows if r["batch_size"] == b]
+        base = next(r["total_tokens_per_s"] for r in at if r["method"] == plain)
+        if all(r["total_tokens_per_s"] <= base for r in at if r["method"] != plain):
+            return b
+    return None
+
+
+def batch_markdown(results: Mapping[str, Any]) -> str:
+    """Total tokens/s per method (rows) and batch size (columns), then per-request latency at each size."""
+    settings, rows = results["settings"], results["rows"]
+    sizes = settings["batch_sizes"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cell = {(r["method"], r["batch_size"]): r for r in rows}
+    lines = [
+        f"# specgraft bench --batch-size: {settings['target']}",
+        "",
+        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy. Greedy outputs identical "
+        "to plain decoding: " + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])})."),
+        "",
+        "Total tokens/s (tau in brackets):",
+        "",
+        "| method | " + " | ".join(f"B={b}" for b in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(
+            f"{cell[m, b]['total_tokens_per_s']:.1f} ({cell[m, b]['mean_accepted_length']:.2f})" for b in sizes) + " |")
+    point = results["crossover"]
+    lines += ["", f"Speculation stops paying at batch {point}." if point else "Speculation pays at every batch size measured.", ""]
+    lines += ["| method | B | request tokens/s p50 | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['batch_size']} | {r['request_tokens_per_s_p50']:.1f} | "
+            f"{r['ttft_p50_s'] * 1e3:.1f} / {r['ttft_p99_s'] * 1e3:.1f} | {r['itl_p50_s'] * 1e3:.2f} / {r['itl_p99_s'] * 1e3:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_batch_plot(results: Mapping[str, Any], out: Path) -> Path:
+    """Total throughput against batch size, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for method in dict.fromkeys(r["method"] for r in results["rows"]):
+        points = [(r["batch_size"], r["total_tokens_per_s"]) for r in results["rows"] if r["method"] == method]
+        ax.plot(*zip(*points), marker="o", label=method)
+    ax.set(xscale="log", xlabel="batch size", ylabel="total tokens/s", title="Throughput against batch size")
+    ax.set_xticks(results["settings"]["batch_sizes"], labels=[str(b) for b in results["settings"]["batch_sizes"]])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / PLOT
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
