@@ -109,7 +109,7 @@ class Scheduler:
             self.running[handle] = seq
             committed[handle] = self._keep(seq, seq.decoding.advance(seq.rule))  # prefill: the first token
         live = [(h, seq) for h, seq in self.running.items() if not seq.rule.done]
-        if self.cache is not None and len(live) > 1:
+        if self.cache is not None and live:
             for handle, kept in self._verify_together(live).items():
                 committed[handle] = committed.get(handle, []) + kept
         else:
