@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
@@ -288,6 +289,8 @@ def load_model(
             ).to(torch_device)
         except OSError as err:
             raise OSError(f"could not load {role} {name!r}: {err}") from None
+        except SafetensorError as err:
+            raise OSError(f"could not load {role} {name!r}: a .safetensors file there is truncated or corrupt ({err})") from None
         if tokenizer is None:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(Path(name).expanduser() if _looks_like_path(name) else name)
