@@ -202,6 +202,7 @@ def ensure_demo_target(
     max_minutes: float = DEFAULT_MAX_MINUTES,
     threads: int | str | None = "auto",
     progress: bool = True,
+    retrain: bool = False,
 ) -> DemoTarget:
     """The cached demo target for ``spec``, trained first if no complete one exists.
 
@@ -212,9 +213,11 @@ def ensure_demo_target(
             cosine schedule is shortened so it still ends annealed.
         threads: torch threads while training (restored afterwards): a count, "auto"
             (`pick_threads`, timed only when training is needed) or None (torch's setting).
+        retrain: train even when a complete target is cached (one cut short by ``max_minutes``
+            on a busy machine stays cached until then); the new one replaces it.
     """
     path = cached_target_dir(spec, cache_dir)
-    info = _complete(path, spec)
+    info = None if retrain else _complete(path, spec)
     if info is not None:
         return DemoTarget(path, info, cached=True)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
