@@ -44,8 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
+# No torch at module level (each stage imports it): `specgraft quickstart --help` reads this module's flags.
 from specgraft.threads import choose_threads
 from specgraft.train.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
 
@@ -312,6 +311,8 @@ def _prompt_record(target, index: int, text: str) -> dict:
 
 
 def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from specgraft.infer.bench import read_prompt_file
     from specgraft.train.regenerate import regenerate
 
@@ -410,6 +411,8 @@ class StepCost:
 
 def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
     """Time the target over a micro-batch and a few EAGLE head steps (forward, backward, AdamW) on it."""
+    import torch
+
     from specgraft.heads import build_head
     from specgraft.heads.configs import EagleConfig
     from specgraft.train.data import collate
@@ -435,6 +438,8 @@ def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repea
 
 
 def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from specgraft.train.data import TokenizedDataset, load_records, train_eval_split
     from specgraft.train.pipeline import run_training
 
@@ -506,6 +511,8 @@ def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
 
 
 def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from transformers.utils import logging as hf_logging
 
     from specgraft.infer.bench import read_prompt_file, run_bench
@@ -631,6 +638,8 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def quickstart_main(args: argparse.Namespace) -> int:
     """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
+    import torch
+
     cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU

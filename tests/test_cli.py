@@ -20,7 +20,7 @@ def test_help_loads_neither_torch_nor_transformers():
         "import sys, contextlib, io\n"
         "from specgraft.cli import main\n"
         "for argv in (['--help'], ['generate', '--help'], ['check-exactness', '--help'], ['tune-tree', '--help'], "
-        "['train', '--help']):\n"
+        "['train', '--help'], ['quickstart', '--help']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv)\n"
         "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))\n"
