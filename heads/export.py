@@ -263,7 +263,7 @@ def validate_export(out_dir: str | Path, fmt: str, num_target_layers: int | None
             problems += _shared_block_problems(tensors, cfg["medusa_num_heads"], cfg["medusa_num_layers"])
         problems += _vocab_map_problems(tensors, cfg)
     if problems:
-        raise ValueError(f"{out} is not a valid {fmt} export of a {head_type} head:\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"{out} is not a valid {fmt} export of this {head_type} head:\n  - " + "\n  - ".join(problems))
 
 
 def _shared_block_problems(tensors: dict[str, torch.Tensor], heads: int, layers: int) -> list[str]:
