@@ -46,7 +46,7 @@ def load_head(path: str | Path, target: Target) -> nn.Module:
     head = build_head(config, target)
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{Path(path) / 'model.safetensors'} does not fit a {config.type} head: missing {missing}, unexpected {unexpected}")
+        raise ValueError(f"{Path(path) / 'model.safetensors'} does not fit this {config.type} head: missing {missing}, unexpected {unexpected}")
     return head.to(target.device).eval()
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from pydantic import TypeAdapter, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specgraft.heads.configs import HeadConfig
@@ -56,12 +57,24 @@ def check_target(signature: dict[str, Any], target: Target, where: str) -> None:
         )
 
 
+def umask_mode(mode: int) -> int:
+    """``mode`` as the process umask leaves it: what `open` or `mkdir` would give a new file or directory."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same directory, then rename: a crash never leaves half a file."""
+    """Write through a temporary file in the same directory, then rename: a crash never leaves half a file.
+
+    mkstemp creates the file 0600; it gets the mode a plain write would (0666 less the umask), so a head
+    read by a serving engine running as another user stays readable.
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -85,6 +98,9 @@ def save_head(head: torch.nn.Module, out_dir: str | Path, target: Target, card: 
     }
     if hasattr(head, "save"):  # a head that is a whole model writes its own format (e.g. a transformers dir)
         head.save(out, target)
+        for f in out.iterdir():  # safetensors (under save_pretrained too) writes 0600 whatever the umask
+            if f.is_file():
+                f.chmod(umask_mode(0o666))
         atomic_write(out / SIDECAR, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     else:
         tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
@@ -120,5 +136,15 @@ def read_head_dir(path: str | Path) -> tuple[Any, dict[str, Any], dict[str, torc
     try:
         head_config = TypeAdapter(HeadConfig).validate_python(raw["head"])
     except ValidationError as err:
-        raise ValueError(f"{config_file}: invalid head config:\n{err}") from None
-    return head_config, raw["target"], load_file(str(weights_file))
+        kind = raw["head"].get("type") if isinstance(raw["head"], dict) else None
+        # pydantic puts the union member's tag first in each location: head.num_layers, not head.eagle.num_layers.
+        locations = [e["loc"][1:] if e["loc"][:1] == (kind,) else e["loc"] for e in err.errors()]
+        problems = "; ".join(
+            f"head.{'.'.join(map(str, loc))}: {e['msg']} (got {e['input']!r})" for loc, e in zip(locations, err.errors())
+        )
+        raise ValueError(f"{config_file}: invalid head config: {problems}") from None
+    try:
+        tensors = load_file(str(weights_file))
+    except SafetensorError as err:
+        raise ValueError(f"{weights_file} is truncated or corrupt ({err}); train or export the head again") from None
+    return head_config, raw["target"], tensors

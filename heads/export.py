@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir
+from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, umask_mode
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.target import Target
@@ -263,7 +263,7 @@ def validate_export(out_dir: str | Path, fmt: str, num_target_layers: int | None
             problems += _shared_block_problems(tensors, cfg["medusa_num_heads"], cfg["medusa_num_layers"])
         problems += _vocab_map_problems(tensors, cfg)
     if problems:
-        raise ValueError(f"{out} is not a valid {fmt} export of a {head_type} head:\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"{out} is not a valid {fmt} export of this {head_type} head:\n  - " + "\n  - ".join(problems))
 
 
 def _shared_block_problems(tensors: dict[str, torch.Tensor], heads: int, layers: int) -> list[str]:
@@ -414,7 +414,7 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
     head_cfg, signature, tensors = read_head_dir(head_dir)
     if fmt not in SUPPORTED.get(head_cfg.type, ()):
         why = " (SGLang has no Medusa drafter)" if (head_cfg.type, fmt) == ("medusa", "sglang") else ""
-        raise ValueError(f"a {head_cfg.type} head cannot be exported --to {fmt}{why}; "
+        raise ValueError(f"{head_cfg.type} heads cannot be exported --to {fmt}{why}; "
                          f"supported: {', '.join(SUPPORTED.get(head_cfg.type, ()))}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; export into a new directory")
@@ -430,12 +430,15 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    tmp.chmod(umask_mode(0o777))  # mkdtemp makes it 0700: the export must be readable as a plain mkdir's would be
     try:  # write beside out_dir, validate, then move into place: a refused export leaves nothing behind
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tensors_out = {k: t.detach().cpu().contiguous() for k, t in out_tensors.items()}
         save_file(tensors_out, str(tmp / weights_file(head_cfg.type, fmt)), metadata={"format": "pt"})
         validate_export(tmp, fmt, signature["num_hidden_layers"])
         (tmp / "README.md").write_text(_readme(head_cfg, signature, cfg, fmt, out))
+        for f in tmp.iterdir():  # safetensors writes 0600 whatever the umask
+            f.chmod(umask_mode(0o666))
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -46,6 +46,7 @@ from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.stats import GenerationStats, percentile
 from specgraft.target import Target, load_model
+from specgraft.threads import apply_threads, parse_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
 
 STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))
@@ -595,7 +596,9 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         f"# specgraft bench: {settings['target']}",
         "",
         f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
-        f"{settings['threads']} thread(s), {settings['device']} {settings['dtype']}. "
+        f"{settings['threads']} thread(s)"
+        + (f" ({settings['threads_choice']})" if settings.get("threads_choice") else "")
+        + f", {settings['device']} {settings['dtype']}. "
         f"Greedy outputs identical to `{settings['reference']}`: "
         + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches)."),
         "",
@@ -754,7 +757,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="e.g. depth=3,5,7 (chain) or top_k=4,8 budget=16,32,64 (dynamic); crossed with each --tree")
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, pinned for the whole run")
+    parser.add_argument("--threads", type=parse_threads, default="auto",
+                        help="torch threads, pinned for the whole run: 'auto' (default) picks from the target's size "
+                        "and this machine (`specgraft.threads`; the choice is reported), or a count")
     parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="cpu")
@@ -840,8 +845,6 @@ def bench_main(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     for spec in baselines:
         parse_baseline(spec)
@@ -856,13 +859,14 @@ def bench_main(args: argparse.Namespace) -> int:
         raise ValueError("nothing to benchmark: give --drafter, --method or --baselines")
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
-    torch.set_num_threads(args.threads)
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    choice = apply_threads(target.model, args.threads)  # the same choice again, for its reason in the report
+    print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
     methods = _methods(args, trees, target)
     results = run_bench(
-        target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines, threads=args.threads,
-        warmup=args.warmup, out_dir=args.out, progress=True,
-        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit},
+        target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
+        threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,
+        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit, "threads_choice": choice.why},
     )
     if args.json:
         print(json.dumps(results, indent=2))

@@ -4,30 +4,42 @@
     target = sg.load_target("path/or/hub-id")
     gen = sg.SpeculativeGenerator(target, sg.PromptLookup(), tree=sg.Chain(depth=5))
     print(gen.generate("Once upon a time", max_new_tokens=64).text)
+
+The names below load on first use (PEP 562), so `import specgraft.cli` and
+`specgraft --help` do not pay for torch and transformers.
 """
 
-from specgraft.heads import DraftModel, Drafter, PromptLookup, load_drafter
-from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
-from specgraft.target import KVCache, Target, load_target
-from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specgraft.heads import DraftModel, Drafter, PromptLookup, load_drafter
+    from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
+    from specgraft.target import KVCache, Target, load_target
+    from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Chain",
-    "DraftModel",
-    "Drafter",
-    "DynamicTree",
-    "GenerationOutput",
-    "GenerationStats",
-    "KVCache",
-    "PromptLookup",
-    "SpeculativeGenerator",
-    "StaticTree",
-    "StreamChunk",
-    "Target",
-    "Tree",
-    "load_drafter",
-    "load_target",
-    "parse_tree_spec",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    **dict.fromkeys(("DraftModel", "Drafter", "PromptLookup", "load_drafter"), "specgraft.heads"),
+    **dict.fromkeys(("GenerationOutput", "GenerationStats", "SpeculativeGenerator", "StreamChunk"), "specgraft.infer"),
+    **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.target"),
+    **dict.fromkeys(("Chain", "DynamicTree", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specgraft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

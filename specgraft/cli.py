@@ -1,27 +1,58 @@
-"""The `specgraft` command line. Nothing imports this module."""
+"""The `specgraft` command line. Nothing imports this module.
+
+Only the chosen subcommand's flags are built, and its module is imported when it
+runs: `specgraft --help` and `specgraft generate --help` answer without loading
+torch or transformers.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Callable
 
-import torch
-
+from specgraft.threads import parse_threads
 
 DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
+DRAFTER_HELP = (
+    "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), a trained head directory "
+    "(e.g. runs/eagle-stories260k/head from `specgraft train`), or a small causal LM's directory sharing the "
+    "target's tokenizer"
+)
+TREE_HELP = (
+    "'chain:DEPTH', 'static:FILE.json' (Medusa-style paths of sibling ranks), 'dynamic:TOP_K,DEPTH,BUDGET' "
+    "(EAGLE-2), or a tree file written by `specgraft tune-tree`"
+)
+THREADS_HELP = (
+    "torch CPU threads: 'auto' (default) picks from the model's size and this machine (one thread for models "
+    "under 200M parameters), or a count"
+)
+NAMED_DRAFTERS = ("none", "prompt-lookup", "self")
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Refuse a --drafter that is neither a named drafter nor an existing directory, before any model loads."""
+    if spec in NAMED_DRAFTERS:
+        return
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--drafter {spec!r} does not exist; expected {DRAFTER_HELP}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"--drafter {spec!r} is a file, not a directory; expected {DRAFTER_HELP}")
 
 
 def _load(args: argparse.Namespace):
-    """Target, drafter and tree from the common flags; the tree spec is checked before any model loads."""
+    """Target, drafter and tree from the common flags; the tree and drafter are checked before any model loads."""
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     tree = sg.parse_tree_spec(args.tree)
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    check_drafter_spec(args.drafter)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     return target, drafter_from_spec(args.drafter, target), tree
 
 
@@ -78,7 +109,16 @@ def cmd_check_exactness(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def _deepspeed_on_cpu_quietly() -> None:
+    """Name the CPU accelerator when no GPU is visible: DeepSpeed would warn "Setting accelerator to CPU" at import."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _deepspeed_on_cpu_quietly()
     from specgraft.config import load_config
     from specgraft.train.pipeline import run_training
 
@@ -89,6 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_extract_features(args: argparse.Namespace) -> int:
+    _deepspeed_on_cpu_quietly()
     from specgraft.config import load_config
     from specgraft.train.pipeline import run_feature_extraction
 
@@ -98,6 +139,7 @@ def cmd_extract_features(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
+    _deepspeed_on_cpu_quietly()
     from specgraft.config import load_config
     from specgraft.train.pipeline import run_regeneration
 
@@ -158,19 +200,15 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory or hub id")
-    p.add_argument("--drafter", default="prompt-lookup", help="'none', 'prompt-lookup', 'self', or a draft model directory")
-    p.add_argument("--tree", default="chain:5", help="'chain:DEPTH' or 'static:FILE.json' (Medusa-style paths)")
+    p.add_argument("--drafter", default="prompt-lookup", help=DRAFTER_HELP + " (default: %(default)s)")
+    p.add_argument("--tree", default="chain:5", help=TREE_HELP + " (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=parse_threads, default="auto", help=THREADS_HELP)
     p.add_argument("--seed", type=int, default=None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specgraft", description="Lossless speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text with a target and a drafter")
+def _generate_flags(gen: argparse.ArgumentParser) -> None:
     _model_flags(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -181,9 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
     gen.set_defaults(func=cmd_generate)
 
-    check = sub.add_parser(
-        "check-exactness", help="test statistically that speculative sampling follows the target's distribution"
-    )
+
+def _check_exactness_flags(check: argparse.ArgumentParser) -> None:
     _model_flags(check)
     check.add_argument("--prompt", action="append", help=f"prompt (repeatable; default: {list(DEFAULT_CHECK_PROMPTS)})")
     check.add_argument("--samples", type=int, default=2000, help="continuations per prompt and method")
@@ -193,17 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check_exactness)
 
-    for name, func, text in (
-        ("train", cmd_train, "train a draft head (one process; use deepspeed --module specgraft.train for many)"),
-        ("regenerate", cmd_regenerate, "self-distillation only: the target writes the config's training data"),
-        ("extract-features", cmd_extract_features, "write the hidden states the head needs as sharded safetensors"),
-    ):
-        cmd = sub.add_parser(name, help=text)
+
+def _config_flags(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.ArgumentParser], None]:
+    def add(cmd: argparse.ArgumentParser) -> None:
         cmd.add_argument("config", help="YAML training config (see recipes/)")
         cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
         cmd.set_defaults(func=func)
 
-    tune_p = sub.add_parser("tune-tree", help="measure this device and drafter, and size the tree for speed")
+    return add
+
+
+def _tune_tree_flags(tune_p: argparse.ArgumentParser) -> None:
     _model_flags(tune_p)
     tune_p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench jsonl, text, ...)")
     tune_p.add_argument("--limit", type=int, default=10, help="calibration prompts used")
@@ -218,28 +255,56 @@ def build_parser() -> argparse.ArgumentParser:
     tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
     tune_p.set_defaults(func=cmd_tune_tree)
 
-    # Commands whose module brings its own flags and entry point.
-    from specgraft.heads.export import add_export_arguments, export_main
-    from specgraft.heads.import_head import add_import_arguments, import_main
-    from specgraft.infer.bench import add_bench_arguments, bench_main
-    from specgraft.quickstart import add_quickstart_arguments, quickstart_main
 
-    for name, add_arguments, func, text in (
-        ("quickstart", add_quickstart_arguments, quickstart_main,
-         "offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark"),
-        ("export", add_export_arguments, export_main, "write a trained head in vLLM, SGLang, EAGLE or Medusa format"),
-        ("import-head", add_import_arguments, import_main, "read an official EAGLE, EAGLE-3 or Medusa checkpoint"),
-        ("bench", add_bench_arguments, bench_main, "benchmark drafters and trees against baselines in one interleaved run"),
-    ):
-        cmd = sub.add_parser(name, help=text)
-        add_arguments(cmd)
-        cmd.set_defaults(func=func)
+def _module_flags(module: str, add_arguments: str, run: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Flags of a command whose module brings its own flags and entry point, imported only when it is chosen."""
+
+    def add(cmd: argparse.ArgumentParser) -> None:
+        mod = importlib.import_module(module)
+        getattr(mod, add_arguments)(cmd)
+        cmd.set_defaults(func=getattr(mod, run))
+
+    return add
+
+
+# name -> (help, adds the command's flags and sets its func)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "generate": ("generate text with a target and a drafter", _generate_flags),
+    "check-exactness": ("test statistically that speculative sampling follows the target's distribution",
+                        _check_exactness_flags),
+    "train": ("train a draft head (one process; use deepspeed --module specgraft.train for many)",
+              _config_flags(cmd_train)),
+    "regenerate": ("self-distillation only: the target writes the config's training data", _config_flags(cmd_regenerate)),
+    "extract-features": ("write the hidden states the head needs as sharded safetensors",
+                         _config_flags(cmd_extract_features)),
+    "tune-tree": ("measure this device and drafter, and size the tree for speed", _tune_tree_flags),
+    "quickstart": ("offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark",
+                   _module_flags("specgraft.quickstart", "add_quickstart_arguments", "quickstart_main")),
+    "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format",
+               _module_flags("specgraft.heads.export", "add_export_arguments", "export_main")),
+    "import-head": ("read an official EAGLE, EAGLE-3 or Medusa checkpoint",
+                    _module_flags("specgraft.heads.import_head", "add_import_arguments", "import_main")),
+    "bench": ("benchmark drafters and trees against baselines in one interleaved run",
+              _module_flags("specgraft.infer.bench", "add_bench_arguments", "bench_main")),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand with its help line; the flags of ``command`` only (of all of them when None)."""
+    parser = argparse.ArgumentParser(prog="specgraft", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (text, add_flags) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=text, description=text)
+        if command is None or command == name:
+            add_flags(cmd)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top-level parser has no options but --help, so the first bare word names the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError, NotImplementedError) as err:

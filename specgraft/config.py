@@ -98,7 +98,7 @@ class TrainingSection(_Section):
     # auto: the latest complete checkpoint in output_dir, if any; never: start over (deletes
     # output_dir/checkpoints); or a checkpoint directory (output_dir/checkpoints/step_N).
     resume: str = "auto"
-    num_threads: int | None = Field(None, ge=1)  # torch CPU threads; 1 is much faster for tiny models
+    num_threads: int | None = Field(None, ge=1)  # torch CPU threads; None: picked from the target's size (specgraft.threads)
     # online: the target runs on every batch. offline: it runs once per example ahead of training
     # (`specgraft extract-features CONFIG`, or at start-up when the cache is absent or incomplete) and
     # training reads the hidden states from disk: tokens x layers read (+ the final one) x hidden x dtype

@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
+# No torch at module level (each stage imports it): `specgraft quickstart --help` reads this module's flags.
+from specgraft.threads import choose_threads
 from specgraft.train.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
 
 STAGES = ("target", "data", "train", "bench")
@@ -53,9 +53,6 @@ STAGE_DIR = "stages"
 BENCH_PROMPTS_FILE = "bench_prompts.jsonl"
 # The head's training run directory; the head is HEAD_RUN/head, which `specgraft bench` labels "eagle".
 HEAD_RUN = "eagle"
-# A target below this many parameters trains and decodes fastest on one thread (MEASURED.md:
-# 2 threads can be 10-30x slower for a 260K model); above it torch's default is kept.
-ONE_THREAD_BELOW = 20_000_000
 DEMO_NOTE = (
     "Note: the demo target is a smoke test. It writes Python-shaped but meaningless text, and its greedy output "
     "often falls into repetition loops; part of any drafter's gain here (and all of prompt lookup's) comes from "
@@ -92,6 +89,7 @@ class QuickstartConfig:
     # within 10% of each other; bigger trees lost (tree building and verification are not free on CPU).
     trees: tuple[str, ...] = ("chain:5", "dynamic:2,5,10")
     resume: bool = False
+    retrain_target: bool = False  # train the demo target again even when a cached one exists
     cache_dir: Path | None = None  # None: $XDG_CACHE_HOME/specgraft or ~/.cache/specgraft
     seed: int = 0
     progress: bool = True
@@ -110,6 +108,10 @@ class QuickstartConfig:
             parse_tree_spec(spec)
         if self.prompts is not None and not Path(self.prompts).expanduser().is_file():
             raise FileNotFoundError(f"--prompts {self.prompts!r} does not exist")
+        if self.target is not None and self.target.startswith((".", "/", "~")) and not Path(self.target).expanduser().is_dir():
+            raise FileNotFoundError(f"--target {self.target!r} is not a directory")
+        if self.retrain_target and self.target is not None:
+            raise ValueError("--retrain-target retrains the demo target; it cannot be combined with --target")
         if self.prompts is not None and self.target is None:
             raise ValueError("--prompts needs --target: the demo target's prompts come from the standard library")
 
@@ -193,7 +195,10 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = print) -
 def _stage_key(cfg: QuickstartConfig, stage: str) -> dict[str, Any]:
     """The settings a stage's result depends on (chained to the previous stage's by `run_quickstart`)."""
     if stage == "target":
-        return {"target": cfg.target} if cfg.target else {"demo": asdict(cfg.demo)}
+        if cfg.target:
+            return {"target": cfg.target}
+        # A retrain reruns the stage even under --resume; the next plain --resume reruns it from the cache, cheaply.
+        return {"demo": asdict(cfg.demo)} | ({"retrain": True} if cfg.retrain_target else {})
     if stage == "data":
         prompts = str(Path(cfg.prompts).expanduser().resolve()) if cfg.prompts else None
         return {k: getattr(cfg, k) for k in ("samples", "sample_tokens", "bench_prompts", "seed")} | {"prompts": prompts}
@@ -214,8 +219,9 @@ def _duration(seconds: float) -> str:
 
 
 def _threads_for(target) -> int | None:
+    """The `specgraft.threads` choice for ``target`` (one thread for small models)."""
     params = sum(p.numel() for p in target.model.parameters())
-    return 1 if params < ONE_THREAD_BELOW else None
+    return choose_threads(params, target.device.type).threads
 
 
 def _load(path: str):
@@ -241,10 +247,15 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partia
         )
     from specgraft.train.demo_target import ensure_demo_target
 
-    demo = ensure_demo_target(cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, progress=cfg.progress)
+    demo = ensure_demo_target(cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, progress=cfg.progress,
+                              retrain=cfg.retrain_target)
     info = demo.info
     how = "cached" if demo.cached else f"trained on {info['threads']} thread(s)"
-    cut = f", cut to {info['steps_done']} steps by the {info['max_minutes']}-minute cap" if info["cut_by_wall_clock"] else ""
+    cut = ""
+    if info["cut_by_wall_clock"]:
+        cut = f", cut to {info['steps_done']} of {cfg.demo.steps} steps by the {info['max_minutes']}-minute cap"
+        if demo.cached:
+            cut += " (a busy machine; --retrain-target --demo-minutes 15 trains it to the end)"
     summary = (
         f"demo target {how}: {info['parameters'] / 1e6:.1f}M-parameter Llama, {info['steps_done']} steps on "
         f"{info['corpus']['bytes'] / 1e6:.1f} MB of stdlib source{cut}, held-out {info['heldout_bits_per_byte']:.2f} "
@@ -300,6 +311,8 @@ def _prompt_record(target, index: int, text: str) -> dict:
 
 
 def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from specgraft.infer.bench import read_prompt_file
     from specgraft.train.regenerate import regenerate
 
@@ -398,6 +411,8 @@ class StepCost:
 
 def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
     """Time the target over a micro-batch and a few EAGLE head steps (forward, backward, AdamW) on it."""
+    import torch
+
     from specgraft.heads import build_head
     from specgraft.heads.configs import EagleConfig
     from specgraft.train.data import collate
@@ -423,6 +438,8 @@ def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repea
 
 
 def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from specgraft.train.data import TokenizedDataset, load_records, train_eval_split
     from specgraft.train.pipeline import run_training
 
@@ -472,9 +489,20 @@ def bench_methods(head_dir: str, trees: tuple[str, ...], target):
     return [(f"{label} {spec}", drafter, parse_tree_spec(spec)) for spec in trees]
 
 
+def specgraft_command() -> str:
+    """How a shell here calls specgraft: the bare name when PATH finds this install, else its script's path
+    (the README's set-up never activates the venv, so ``.venv/bin/specgraft``)."""
+    script = Path(sys.executable).parent / "specgraft"
+    found = shutil.which("specgraft")
+    if not script.is_file() or (found is not None and Path(found).resolve() == script.resolve()):
+        return "specgraft"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else str(script)
+
+
 def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
     """The `specgraft bench` command that benchmarks the same head on the same prompts."""
-    parts = ["specgraft", "bench", "--target", outputs["target_path"], "--drafter", outputs["head_dir"]]
+    parts = [specgraft_command(), "bench", "--target", outputs["target_path"], "--drafter", outputs["head_dir"]]
     for spec in cfg.trees:
         parts += ["--tree", spec]
     parts += ["--prompts", outputs["bench_prompts_file"], "--max-new-tokens", str(cfg.max_new_tokens),
@@ -483,20 +511,22 @@ def bench_command(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
 
 
 def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
+    import torch
+
     from transformers.utils import logging as hf_logging
 
     from specgraft.infer.bench import read_prompt_file, run_bench
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # `specgraft bench`'s default: pinned, so runs compare
     try:
         target = _load(outputs["target_path"])
+        threads = _threads_for(target) or before  # `specgraft bench`'s default: pinned, so runs compare
         prompts = read_prompt_file(outputs["bench_prompts_file"])
         out_dir = cfg.out_dir / "bench"
         results = run_bench(
             target, bench_methods(outputs["head_dir"], cfg.trees, target), prompts, max_new_tokens=cfg.max_new_tokens,
-            baselines=("plain", "hf"), threads=1, warmup=1, out_dir=out_dir, progress=cfg.progress,
+            baselines=("plain", "hf"), threads=threads, warmup=1, out_dir=out_dir, progress=cfg.progress,
             extra_settings={"prompts_file": outputs["bench_prompts_file"], "limit": None, "quickstart": True},
         )
     finally:
@@ -572,6 +602,11 @@ def add_quickstart_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
                         "GSM8K jsonl, or one per line); default: openings the target samples from BOS")
     parser.add_argument("--tree", action="append", default=None,
                         help=f"tree(s) to benchmark the head with (repeatable; default: {' and '.join(d['trees'].default)})")
+    parser.add_argument("--demo-minutes", type=float, default=d["demo_minutes"].default,
+                        help="wall-clock cap on training the demo target (its schedule shrinks to fit; raise it on a "
+                        "busy machine)")
+    parser.add_argument("--retrain-target", action="store_true",
+                        help="train the demo target again even if one is cached (e.g. one cut short by the cap)")
     parser.add_argument("--cache-dir", default=None, help="where the demo target is cached (default: "
                         "$XDG_CACHE_HOME/specgraft or ~/.cache/specgraft)")
     return parser
@@ -583,13 +618,14 @@ def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
         train_minutes=args.train_minutes, max_new_tokens=args.max_new_tokens, bench_prompts=args.bench_prompts,
         trees=tuple(args.tree) if args.tree else QuickstartConfig.__dataclass_fields__["trees"].default,
         resume=args.resume, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        demo_minutes=args.demo_minutes, retrain_target=args.retrain_target,
     )
 
 
 def resume_command(args: argparse.Namespace) -> str:
     """The command line that resumes this run: the flags given, plus --resume."""
     defaults = add_quickstart_arguments(argparse.ArgumentParser()).parse_args([])
-    parts = ["specgraft", "quickstart"]
+    parts = [specgraft_command(), "quickstart"]
     for name, value in vars(args).items():
         if not hasattr(defaults, name) or name == "resume" or value == getattr(defaults, name):
             continue
@@ -602,16 +638,25 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def quickstart_main(args: argparse.Namespace) -> int:
     """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
+    import torch
+
     cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU
     print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
+    out_dir_existed = cfg.out_dir.exists()
     try:
         outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))
     except StageFailed as failure:
-        if not isinstance(failure.cause, (KeyboardInterrupt, ValueError, FileNotFoundError)):
+        if not isinstance(failure.cause, (KeyboardInterrupt, ValueError, OSError)):
             traceback.print_exception(failure.cause, file=sys.stderr)
         print(f"specgraft quickstart: {failure}", file=sys.stderr)
+        if failure.stage == "target" and cfg.target is not None and isinstance(failure.cause, (OSError, ValueError)):
+            # The given target cannot load: a resume would fail the same way, and nothing was made worth keeping.
+            if not out_dir_existed:
+                shutil.rmtree(cfg.out_dir, ignore_errors=True)
+            print("  check --target: it must be a causal LM directory or a hub id reachable from here", file=sys.stderr)
+            return 1
         print(f"  finished stages are kept in {cfg.out_dir / STAGE_DIR}; resume with:\n  {resume_command(args)}",
               file=sys.stderr)
         return 130 if isinstance(failure.cause, KeyboardInterrupt) else 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -203,7 +205,7 @@ def test_a_failing_stage_is_named_with_the_resume_command(monkeypatch, tmp_path,
     assert qs.quickstart_main(args) == 1
     err = capsys.readouterr().err
     assert "stage 'target' failed" in err and "no space left for the head" in err
-    assert f"specgraft quickstart --out {tmp_path / 'run'} --samples 40 --tree chain:3 --resume" in err
+    assert f"{qs.specgraft_command()} quickstart --out {tmp_path / 'run'} --samples 40 --tree chain:3 --resume" in err
     assert not (tmp_path / "run" / qs.STAGE_DIR / "target.json").exists()
 
 
@@ -239,3 +241,46 @@ def test_stories260k_quickstart_matches_specgraft_bench(tmp_path, capsys):
         assert (a["new_tokens"], a["target_calls"], a["mean_accepted_length"]) == (
             b["new_tokens"], b["target_calls"], b["mean_accepted_length"])
     assert [r["new_tokens"] for r in ours["per_prompt"]] == [r["new_tokens"] for r in theirs["per_prompt"]]
+
+
+# ------------------------------------------------------------------------------------------ a newcomer's mistakes
+
+
+def test_a_missing_target_path_fails_before_the_run_directory_exists(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--target './no-such-model' is not a directory"):
+        qs.config_from_args(parser().parse_args(["--target", "./no-such-model", "--out", str(tmp_path / "run")]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_target_that_cannot_load_leaves_nothing_to_resume(tmp_path, capsys):
+    # A hub id, not a path: only loading it (offline here) can tell.
+    args = parser().parse_args(["--target", "no-such-org/no-such-model", "--out", str(tmp_path / "run")])
+    assert qs.quickstart_main(args) == 1
+    err = capsys.readouterr().err
+    assert "stage 'target' failed" in err and "check --target" in err
+    assert "--resume" not in err and not (tmp_path / "run").exists()
+
+
+def test_retrain_target_replaces_a_cached_one_cut_short_by_the_cap(tmp_path):
+    spec = dt.DemoTargetSpec(**(asdict(TOY_DEMO) | {"steps": 2}))
+    first = dt.ensure_demo_target(spec, cache_dir=tmp_path, progress=False)
+    info = json.loads((first.path / dt.TRAINING_FILE).read_text())
+    (first.path / dt.TRAINING_FILE).write_text(json.dumps(info | {"cut_by_wall_clock": True, "steps_done": 1}))
+    cached = qs.stage_target(toy_config(tmp_path / "run", tmp_path, demo=spec), {})
+    assert "cut to 1 of 2 steps" in cached.summary and "--retrain-target --demo-minutes" in cached.summary
+    args = parser().parse_args(["--retrain-target", "--demo-minutes", "9"])
+    assert (args.retrain_target, args.demo_minutes) == (True, 9.0)
+    again = qs.stage_target(toy_config(tmp_path / "run", tmp_path, demo=spec, retrain_target=True), {})
+    assert not again.outputs["demo_cached"] and "cut to" not in again.summary
+    assert json.loads((first.path / dt.TRAINING_FILE).read_text())["steps_done"] == 2
+
+
+def test_printed_commands_work_without_activating_the_venv(monkeypatch, tmp_path):
+    script = Path(sys.executable).parent / "specgraft"
+    if not script.is_file():
+        pytest.skip(f"no specgraft script beside {script.parent} (not installed in a venv)")
+    monkeypatch.chdir(script.parent.parent.parent)  # the repository root, where the README's venv is .venv
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert qs.specgraft_command() == os.path.relpath(script)  # .venv/bin/specgraft after the README's set-up
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    assert qs.specgraft_command() == "specgraft"

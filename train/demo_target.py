@@ -38,8 +38,10 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it runs: `specgraft quickstart --help` reads this module
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,7 @@ def ensure_demo_target(
     max_minutes: float = DEFAULT_MAX_MINUTES,
     threads: int | str | None = "auto",
     progress: bool = True,
+    retrain: bool = False,
 ) -> DemoTarget:
     """The cached demo target for ``spec``, trained first if no complete one exists.
 
@@ -212,9 +215,13 @@ def ensure_demo_target(
             cosine schedule is shortened so it still ends annealed.
         threads: torch threads while training (restored afterwards): a count, "auto"
             (`pick_threads`, timed only when training is needed) or None (torch's setting).
+        retrain: train even when a complete target is cached (one cut short by ``max_minutes``
+            on a busy machine stays cached until then); the new one replaces it.
     """
+    import torch
+
     path = cached_target_dir(spec, cache_dir)
-    info = _complete(path, spec)
+    info = None if retrain else _complete(path, spec)
     if info is not None:
         return DemoTarget(path, info, cached=True)
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
@@ -246,6 +253,8 @@ def pick_threads(spec: DemoTargetSpec, steps: int = 1) -> int:
     second core. A few seconds of timing settle it; a hopeless count is dropped
     after its warm-up step.
     """
+    import torch
+
     from transformers import LlamaForCausalLM
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -307,6 +316,8 @@ def train_tokenizer(files: list[SourceFile], vocab_size: int):
 
 def _token_stream(files: list[SourceFile], tokenizer) -> torch.Tensor:
     """Every file as BOS + text + EOS, concatenated: (N,) token ids."""
+    import torch
+
     encoded = tokenizer([f.text for f in files], add_special_tokens=True)["input_ids"]
     eos = tokenizer.eos_token_id
     return torch.tensor([i for ids in encoded for i in (*ids, eos)], dtype=torch.long)
@@ -365,24 +376,30 @@ def _lr(step: int, planned: int, warmup: int, peak: float) -> float:
 
 def _windows(stream: torch.Tensor, batch: int, context: int, generator: torch.Generator) -> torch.Tensor:
     """(B, T + 1) random windows of the stream."""
+    import torch
+
     starts = torch.randint(0, stream.numel() - context - 1, (batch,), generator=generator)
     return torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
 
 
-@torch.no_grad()
 def _mean_loss(model, stream: torch.Tensor, spec: DemoTargetSpec, batches: int) -> float:
     """Mean next-token loss over ``batches`` fixed windows of ``stream`` (seeded, so runs compare)."""
+    import torch
+
     generator = torch.Generator().manual_seed(1234)
     model.eval()
     losses = []
-    for _ in range(batches):
-        window = _windows(stream, spec.batch_size, spec.context, generator)
-        losses.append(_loss(model, window).item())
+    with torch.no_grad():
+        for _ in range(batches):
+            window = _windows(stream, spec.batch_size, spec.context, generator)
+            losses.append(_loss(model, window).item())
     model.train()
     return sum(losses) / len(losses)
 
 
 def _loss(model, window: torch.Tensor) -> torch.Tensor:
+    import torch
+
     logits = model(input_ids=window[:, :-1]).logits  # (B, T, V)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
 
@@ -391,6 +408,8 @@ def build_demo_target(
     spec: DemoTargetSpec, out_dir: str | Path, *, max_minutes: float = DEFAULT_MAX_MINUTES, progress: bool = True
 ) -> dict:
     """Train tokenizer and model for ``spec`` into ``out_dir`` (model, tokenizer, training.json); return the info."""
+    import torch
+
     from tqdm.auto import tqdm
     from transformers import GenerationConfig, LlamaForCausalLM
 

@@ -87,7 +87,8 @@ def _load_target(cfg: TrainConfig, env: DistEnv) -> Target:
     """The frozen target on this rank's device (its GPU under CUDA, else ``target.device``); it must have a tokenizer."""
     device = env.device if env.device.type == "cuda" else cfg.target.device
     target = load_target(
-        cfg.target.path, dtype=cfg.target.dtype, device=device, attn_implementation=cfg.target.attn_implementation
+        cfg.target.path, dtype=cfg.target.dtype, device=device, attn_implementation=cfg.target.attn_implementation,
+        threads=cfg.training.num_threads or "auto",
     )
     if target.tokenizer is None:
         raise ValueError(f"target.path={cfg.target.path!r} has no tokenizer; training data is text")
@@ -120,7 +121,8 @@ def run_regeneration(cfg: TrainConfig) -> str:
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     target = load_target(
-        cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device, attn_implementation=cfg.target.attn_implementation
+        cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device, attn_implementation=cfg.target.attn_implementation,
+        threads=cfg.training.num_threads or "auto",
     )
     env = init_distributed()
     try:

@@ -203,7 +203,13 @@ class StaticTree:
             data = data.get("choices")
         if not isinstance(data, list) or not all(isinstance(c, list) for c in data):
             raise ValueError(f"{where} must hold a list of paths like [[0], [0, 0], [1]]")
-        return cls(data, draw=draw)
+        bad = next((c for c in data if not all(isinstance(r, int) and not isinstance(r, bool) for r in c)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: path {bad} must hold integer sibling ranks, like [0, 1]")
+        try:
+            return cls(data, draw=draw)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
     def grow(
         self,
@@ -263,13 +269,22 @@ def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
     from specgraft.tree.dynamic import DynamicTree
 
     kind = data.get("kind") if isinstance(data, dict) else None
+
+    def count(key: str) -> int:
+        if key not in data:
+            raise ValueError(f"a {kind} tree needs {key!r}")
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key!r} must be an integer, got {value!r}")
+        return value
+
     try:
         if kind == "dynamic":
-            return DynamicTree(top_k=int(data["top_k"]), depth=int(data["depth"]), budget=int(data["budget"]))
+            return DynamicTree(top_k=count("top_k"), depth=count("depth"), budget=count("budget"))
         if kind == "chain":
-            return Chain(depth=int(data["depth"]))
-    except KeyError as err:
-        raise ValueError(f"{where}: a {kind} tree needs {err.args[0]!r}") from None
+            return Chain(depth=count("depth"))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     return StaticTree.from_spec(data, where)
 
 

@@ -1,0 +1,113 @@
+"""The command line a newcomer meets first: fast help, flags that say what they take, errors before loading."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import STORIES, needs_shared
+from specgraft.cli import COMMANDS, build_parser, main
+
+SPECGRAFT = Path(sys.executable).parent / "specgraft"
+
+
+def test_help_loads_neither_torch_nor_transformers():
+    code = (
+        "import sys, contextlib, io\n"
+        "from specgraft.cli import main\n"
+        "for argv in (['--help'], ['generate', '--help'], ['check-exactness', '--help'], ['tune-tree', '--help'], "
+        "['train', '--help'], ['quickstart', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", ["generate", "check-exactness", "tune-tree"])
+def test_model_flags_name_every_drafter_and_tree_form(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for form in ("dynamic:TOP_K,DEPTH,BUDGET", "static:FILE.json", "chain:DEPTH", "a tree file written by",
+                 "trained head directory", "prompt-lookup", "'auto'"):
+        assert form in text, form
+
+
+def test_every_command_builds_its_flags_and_entry_point():
+    parser = build_parser()  # every command's flags at once (main builds only the chosen one's)
+    args = parser.parse_args(["bench", "--target", "t", "--prompts", "p.jsonl", "--out", "o"])
+    assert args.func.__name__ == "bench_main" and args.threads == "auto"
+    for name in COMMANDS:
+        assert parser._subparsers._group_actions[0].choices[name].get_default("func") is not None, name
+
+
+def test_a_missing_drafter_is_named_before_the_target_loads(capsys):
+    # The target does not exist either: the drafter's error must come first, so no model was loaded.
+    code = main(["generate", "--target", "/nonexistent/target", "--drafter", "runs/missing/head", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--drafter 'runs/missing/head' does not exist" in err and "trained head directory" in err
+
+
+def test_threads_flag_takes_auto_or_a_count(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", "t", "--prompt", "x", "--threads", "0"])
+    assert "argument --threads: expected 'auto' or a positive int, got '0'" in capsys.readouterr().err
+
+
+def test_a_bad_tree_file_names_the_file_and_the_key(tmp_path, capsys):
+    tree = tmp_path / "tree.json"
+    tree.write_text('{"kind": "dynamic", "top_k": "x", "depth": 5, "budget": 10}')
+    assert main(["generate", "--target", "t", "--prompt", "x", "--tree", str(tree)]) == 2
+    assert f"tree file {tree}: 'top_k' must be an integer, got 'x'" in capsys.readouterr().err
+
+
+@needs_shared
+def test_a_truncated_target_is_one_line_not_a_traceback(tmp_path, capsys):
+    target = tmp_path / "target"
+    target.mkdir()
+    for f in STORIES.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["generate", "--target", str(target), "--drafter", "none", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"could not load target {str(target)!r}: a .safetensors file there is truncated or corrupt" in err
+
+
+def test_train_does_not_warn_that_deepspeed_fell_back_to_the_cpu(tmp_path):
+    # `specgraft train` (here on a missing config), then what the trainer does first: ask DeepSpeed for its accelerator.
+    code = (
+        "from specgraft.cli import main\n"
+        f"assert main(['train', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "print(get_accelerator().device_name())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "missing.yaml" in run.stderr and run.stdout.strip() == "cpu"
+    assert "Setting accelerator to CPU" not in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"kind": "chain"}', "a chain tree needs 'depth'"),
+    ('{"kind": "chain", "depth": 0}', "Chain depth must be >= 1, got 0"),
+    ('[["x"]]', "path ['x'] must hold integer sibling ranks"),
+    ('[[0, 0]]', "StaticTree path [0, 0] is listed without its prefix [0]"),
+])
+def test_tree_file_errors_name_the_file(tmp_path, text, message):
+    import specgraft as sg
+
+    tree = tmp_path / "tree.json"
+    tree.write_text(text)
+    with pytest.raises(ValueError) as err:
+        sg.parse_tree_spec(str(tree))
+    assert str(err.value).startswith(f"tree file {tree}: {message}")

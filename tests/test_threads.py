@@ -1,0 +1,46 @@
+"""The thread count: one thread for small models, the user's choice kept, bad values refused before loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specgraft as sg
+from conftest import tiny_causal_lm
+from specgraft.threads import ONE_THREAD_BELOW, available_cores, choose_threads
+
+
+@pytest.fixture
+def restore_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_small_models_get_one_thread_and_large_ones_every_core(restore_threads):
+    assert choose_threads(260_000).threads == 1
+    assert choose_threads(135_000_000).threads == 1  # SmolLM2: measured 7x faster than two threads
+    assert choose_threads(ONE_THREAD_BELOW).threads == available_cores()
+    assert choose_threads(8_000_000_000, "cuda").threads is None  # torch's own setting on an accelerator
+
+
+def test_an_explicit_count_or_omp_num_threads_wins(monkeypatch, restore_threads):
+    assert choose_threads(260_000, requested=3) == choose_threads(8_000_000_000, requested=3)
+    assert choose_threads(260_000, requested=None).threads is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert choose_threads(260_000).threads == 2
+
+
+def test_load_target_pins_one_thread_for_a_small_model(restore_threads):
+    torch.set_num_threads(2)
+    sg.load_target(tiny_causal_lm(), threads="auto")
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    sg.load_target(tiny_causal_lm(), threads=None)
+    assert torch.get_num_threads() == 2
+
+
+def test_a_bad_thread_count_fails_before_the_model_loads(restore_threads):
+    with pytest.raises(ValueError, match="threads must be 'auto', None or a positive int, got 0"):
+        sg.load_target("/nonexistent/target", threads=0)  # not the missing path's FileNotFoundError
