@@ -15,12 +15,15 @@ Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedModel
 
 from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
 
@@ -32,6 +35,55 @@ MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 # share positions but each needs a slot, so a tree verified at the very end of
 # the context runs past it. Trees are at most a few hundred nodes.
 TREE_SLOTS = 1024
+# The keyword an HF forward takes its KV cache by, newest first: transformers 5.24
+# renamed ``past_key_values`` to ``cache``. A forward swallows a name it does not
+# know into ``**kwargs`` and silently runs without a cache, so the name is read
+# from the forward's own signature, never guessed.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def _named_cache_keyword(module_class: type) -> str | None:
+    params = inspect.signature(module_class.forward).parameters  # follows functools.wraps to the real forward
+    return next((name for name in CACHE_KEYWORDS if name in params), None)
+
+
+@functools.cache
+def installed_cache_keyword() -> str:
+    """The keyword the installed transformers' own models take the cache by (read from Llama's forward).
+
+    Raises:
+        RuntimeError: a transformers whose Llama takes neither known keyword.
+    """
+    name = _named_cache_keyword(LlamaForCausalLM)
+    if name is None:
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: LlamaForCausalLM.forward takes none of {CACHE_KEYWORDS}, "
+            "so specgraft cannot tell how this version passes the KV cache"
+        )
+    return name
+
+
+@functools.cache
+def cache_keyword(module_class: type) -> str:
+    """The keyword ``module_class.forward`` takes the KV cache by (read once per class).
+
+    A forward that names neither keyword but takes ``**kwargs`` (an adapter or
+    offloading wrapper that passes everything on) gets the installed
+    transformers' own name; `load_target` then checks that the cache is used.
+
+    Raises:
+        TypeError: a forward that can take neither keyword.
+    """
+    name = _named_cache_keyword(module_class)
+    if name is not None:
+        return name
+    params = inspect.signature(module_class.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return installed_cache_keyword()
+    raise TypeError(
+        f"{module_class.__name__}.forward takes no KV cache keyword ({' or '.join(CACHE_KEYWORDS)}) "
+        "and no **kwargs, so specgraft cannot pass it a cache"
+    )
 
 
 class KVCache:
@@ -110,6 +162,8 @@ class Target:
         self.config = model.config
         self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
         self.fast = _fast_path(model, fast)
+        # HF's forward is called with the cache under the keyword it takes; the fast path needs none.
+        self.cache_keyword = cache_keyword(type(model)) if self.fast is None else None
 
     @property
     def device(self) -> torch.device:
@@ -201,12 +255,12 @@ class Target:
             raise TypeError(f"target {self.name!r} runs Hugging Face's forward and needs a KVCache: use target.new_cache()")
         out = self.model(
             input_ids=input_ids,
-            cache=cache.hf,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=1 if last_only else 0,
+            **{self.cache_keyword: cache.hf},
         )
         hidden = {i: out.hidden_states[i] for i in hidden_layers}
         return ModelOutput(logits=out.logits.float(), hidden=hidden)
@@ -297,6 +351,7 @@ def load_model(
     model.eval().requires_grad_(False)
     target = Target(model, tokenizer, name, fast=fast)
     _check_tree_attention(target, role)
+    _check_cached_continuation(target, role)
     return target
 
 
@@ -340,9 +395,52 @@ def _check_tree_attention(target: Target, role: str) -> None:
     mask = torch.full((2, 2), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
     pair = target.forward(ids, target.new_cache(), torch.tensor([[0, 1]], device=device), mask[None, None])
     alone = target.forward(ids[:, 1:], target.new_cache(), torch.tensor([[1]], device=device))
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    if not torch.allclose(pair.logits[:, 1], alone.logits[:, 0], atol=tol, rtol=tol):
+    if not _close(pair.logits[:, 1], alone.logits[:, 0], dtype):
         raise ValueError(
             f"{role} {target.name!r} ({type(target.model).__name__}) ignores custom 4D attention masks, "
             "so tree verification would be wrong; use a model whose attention takes a 4D mask (sdpa or eager)"
         )
+
+
+def _check_cached_continuation(target: Target, role: str) -> None:
+    """Refuse a model whose forward does not continue through the KV cache it is given.
+
+    A prefix runs into a cache; two sibling tokens then run through it at the
+    same position, each seeing the prefix and itself, as tree nodes do. Each
+    must get the logits of a fresh forward over the prefix and that token.
+    This catches a cache passed under a keyword the forward does not take
+    (it runs cacheless and says nothing), and a mask dropped once a cache is
+    in play, at load time rather than as wrong text.
+    """
+    device, dtype = target.device, target.dtype
+    ids = torch.tensor([[1, 2, 3, 4, 5]], device=device) % target.vocab_size
+    prefix, siblings = ids[:, :3], ids[:, 3:]  # (1, 3), (1, 2)
+    where = (
+        f"{role} {target.name!r} ({type(target.model).__name__}) under transformers {transformers.__version__}"
+        + (f", cache passed as {target.cache_keyword}=" if target.cache_keyword else ", fast path")
+    )
+    cache = target.new_cache()
+    target.forward(prefix, cache, torch.arange(3, device=device)[None])
+    if len(cache) != prefix.shape[1]:
+        raise ValueError(
+            f"{where}: a forward over {prefix.shape[1]} tokens left {len(cache)} positions in the KV cache, "
+            "so the model is not using the cache it is given"
+        )
+    visible = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool, device=device)  # (2, 3 + 2)
+    mask = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
+    cached = target.forward(siblings, cache, torch.tensor([[3, 3]], device=device), mask[None, None]).logits
+    for row, what in ((0, "ignores the KV cache"), (1, "ignores the 4D mask once a KV cache is in play")):
+        whole = torch.cat([prefix, siblings[:, row:row + 1]], dim=1)
+        fresh = target.forward(whole, target.new_cache(), torch.arange(4, device=device)[None]).logits[:, -1]
+        if not _close(cached[:, row], fresh, dtype):
+            raise ValueError(
+                f"{where}: a continuation through the KV cache differs from a fresh forward over the whole "
+                f"sequence (max |difference| {float((cached[:, row] - fresh).abs().max()):.3g}): the forward {what}, "
+                "so speculative output would be wrong; this transformers version may pass the cache differently"
+            )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal to float rounding: float32 runs agree to 1e-4, half precision to 5e-2."""
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    return torch.allclose(got, want, atol=tol, rtol=tol)
