@@ -1,8 +1,9 @@
 """Targets the fast path does not cover run on Hugging Face's forward, and stay exact.
 
 Greedy identity to ``model.generate(do_sample=False)`` through the whole
-engine for tiny random GPT-2, GPT-NeoX, Phi-3 and Gemma models and for the
-real stories260K with ``fast=False``: plain decoding, prompt lookup on a
+engine for tiny random GPT-2, GPT-NeoX, Phi-3 and Gemma models, a Llama
+with adapter-wrapped projections, and the real stories260K with
+``fast=False``: plain decoding, prompt lookup on a
 chain, the target drafting for itself on a branching static tree, and
 head-shaped drafters with random weights (Medusa everywhere; EAGLE where
 the target's config has the Llama-shaped fields its draft layer is built
@@ -18,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from torch import nn
 from conftest import NON_LLAMA_ARCHS, STORIES, tiny_causal_lm
 from test_architectures import NEW_TOKENS, PROMPT_SEEDS, STATIC_TREE, VOCAB, _check, _prompt
 from test_greedy_identity import BRANCHING_TREE, _mismatches
@@ -50,15 +52,40 @@ def _eagle_fits(config) -> bool:
     return getattr(config, "intermediate_size", None) is not None
 
 
-# -- tiny non-Llama families ----------------------------------------------------------------------
+# -- tiny non-Llama families, and a Llama the fast path cannot read ---------------------------------
 
 
-@pytest.fixture(scope="module", params=NON_LLAMA_ARCHS)
+class _LowRankAdapter(nn.Module):
+    """A LoRA-shaped wrapper: the frozen linear plus a random rank-2 update (what adapter libraries insert)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def _hf_path_model(arch: str):
+    """A tiny family from conftest, or "llama-adapter": a Llama whose attention projections are adapter-wrapped."""
+    if arch != "llama-adapter":
+        return tiny_causal_lm(arch, vocab_size=VOCAB, seed=0)
+    model = tiny_causal_lm("llama", vocab_size=VOCAB, seed=0)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LowRankAdapter(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = _LowRankAdapter(layer.self_attn.v_proj)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=NON_LLAMA_ARCHS + ("llama-adapter",))
 def family_case(request):
     """(arch, target on HF's forward, {prompt seed: (prompt ids, HF greedy continuation)})."""
-    model = tiny_causal_lm(request.param, vocab_size=VOCAB, seed=0)
+    model = _hf_path_model(request.param)
     target = sg.load_target(model)
-    assert target.fast is None  # "auto" leaves every non-Llama family on Hugging Face's forward
+    assert target.fast is None  # "auto" leaves these on Hugging Face's forward
     refs = {}
     for seed in PROMPT_SEEDS:
         ids = _prompt(seed)
@@ -104,7 +131,7 @@ def test_family_random_eagle_head_matches_hf_greedy(family_case, tmp_path):
 
 def test_eagle_runs_on_most_families():
     # The skip above must stay the exception: EAGLE covers every family here but GPT-2.
-    fits = [arch for arch in NON_LLAMA_ARCHS if _eagle_fits(tiny_causal_lm(arch, vocab_size=VOCAB).config)]
+    fits = [arch for arch in NON_LLAMA_ARCHS if _eagle_fits(_hf_path_model(arch).config)]
     assert fits == [arch for arch in NON_LLAMA_ARCHS if arch != "gpt2"]
 
 
