@@ -395,7 +395,7 @@ def _check_tree_attention(target: Target, role: str) -> None:
     mask = torch.full((2, 2), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
     pair = target.forward(ids, target.new_cache(), torch.tensor([[0, 1]], device=device), mask[None, None])
     alone = target.forward(ids[:, 1:], target.new_cache(), torch.tensor([[1]], device=device))
-    if not _close(pair.logits[:, 1], alone.logits[:, 0], dtype):
+    if not _same_logits(pair.logits[:, 1], alone.logits[:, 0], dtype):
         raise ValueError(
             f"{role} {target.name!r} ({type(target.model).__name__}) ignores custom 4D attention masks, "
             "so tree verification would be wrong; use a model whose attention takes a 4D mask (sdpa or eager)"
@@ -429,18 +429,28 @@ def _check_cached_continuation(target: Target, role: str) -> None:
     visible = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool, device=device)  # (2, 3 + 2)
     mask = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
     cached = target.forward(siblings, cache, torch.tensor([[3, 3]], device=device), mask[None, None]).logits
-    for row, what in ((0, "ignores the KV cache"), (1, "ignores the 4D mask once a KV cache is in play")):
+    faults = ("does not attend to what its KV cache holds", "ignores the 4D mask once a KV cache is in play")
+    for row, what in enumerate(faults):  # row 0 sees the prefix and itself either way; row 1 only if masked
         whole = torch.cat([prefix, siblings[:, row:row + 1]], dim=1)
         fresh = target.forward(whole, target.new_cache(), torch.arange(4, device=device)[None]).logits[:, -1]
-        if not _close(cached[:, row], fresh, dtype):
+        if not _same_logits(cached[:, row], fresh, dtype):
             raise ValueError(
                 f"{where}: a continuation through the KV cache differs from a fresh forward over the whole "
-                f"sequence (max |difference| {float((cached[:, row] - fresh).abs().max()):.3g}): the forward {what}, "
+                f"sequence (max |difference| {float((cached[:, row] - fresh).abs().max()):.3g}, largest |logit| "
+                f"{float(fresh.abs().max()):.3g}): the forward {what}, "
                 "so speculative output would be wrong; this transformers version may pass the cache differently"
             )
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Equal to float rounding: float32 runs agree to 1e-4, half precision to 5e-2."""
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    return torch.allclose(got, want, atol=tol, rtol=tol)
+def _same_logits(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal to rounding: apart by at most a small fraction of the largest |logit| (1e-3 float32, 3e-2 half).
+
+    Why relative: one position's logits computed two ways (through a cache or
+    fresh, inside a tree or alone) run different kernel shapes. Measured on
+    SmolLM2-135M they differ by 6e-5 (float32) and 5e-3 (float16) of the
+    largest |logit|, 1.4e-3 absolute in float32, beyond any fixed atol that
+    a 2-layer model needs; a forward that ignores its cache moves them by
+    0.24 (stories260K) to 1.2 (SmolLM2) of it.
+    """
+    rtol = 1e-3 if dtype == torch.float32 else 3e-2
+    return float((got - want).abs().max()) <= rtol * max(1.0, float(want.abs().max()))

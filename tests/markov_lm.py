@@ -48,7 +48,9 @@ class MarkovLM(nn.Module):
         # a double that took any name would hide a caller passing one real models swallow and ignore.
         keyword = installed_cache_keyword()
         if keyword not in kwargs:
-            raise TypeError(f"MarkovLM.forward takes its cache as {keyword}= (as this transformers' models do); got {sorted(kwargs)}")
+            raise TypeError(
+                f"MarkovLM.forward takes its cache as {keyword}=, as this transformers' models do; got {list(kwargs)}"
+            )
         cache: DynamicCache = kwargs[keyword]
         t = input_ids.shape[1]
         keys = input_ids[:, None, :, None].float()  # (1, 1, T, 1): the token itself
