@@ -8,7 +8,11 @@ kept or dropped by index.
 Llama-family targets (Llama, Mistral, Qwen2, Qwen3) run by default on
 `specgraft.fast_llama`, a lean forward over the same weights with a
 `StaticKVCache`; everything else, or ``fast=False``, runs HF's own forward
-with a `KVCache`. Both caches have the same interface.
+with a `KVCache`. Both caches have the same interface. HF's forward gets its
+cache under the keyword its own signature names (`cache_keyword`: the name
+changed in transformers 5.24), and `load_target` checks once, per model, that
+a continuation through the cache equals a fresh forward over the whole
+sequence, so API drift fails at load rather than as wrong text.
 
 Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
 """
@@ -309,7 +313,7 @@ def load_model(
     role: str = "target",
     fast: bool | str = "auto",
 ) -> Target:
-    """Load and freeze a causal LM, checking that tree attention will be exact on it.
+    """Load and freeze a causal LM, checking that tree attention and the KV cache will be exact on it.
 
     ``fast``: "auto" runs Llama-family models on the lean `FastLlama` forward, True
     requires it (ValueError naming the architecture otherwise), False keeps HF's.
@@ -373,8 +377,11 @@ def load_target(
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: an unknown dtype or device, an attention backend without
-            4D masks, a model whose forward ignores the tree mask, or
-            ``fast=True`` on an architecture the fast path does not cover.
+            4D masks, a model whose forward ignores the tree mask, a forward
+            that does not continue through the KV cache it is given (the error
+            names the transformers version), or ``fast=True`` on an
+            architecture the fast path does not cover.
+        TypeError: a forward that takes no KV cache keyword.
     """
     return load_model(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
