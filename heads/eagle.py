@@ -27,7 +27,7 @@ from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import EagleConfig
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.fast_llama import FastLlama, StaticKVCache
-from specgraft.target import KVCache, Target
+from specgraft.target import KVCache, Target, cache_keyword
 from specgraft.tree import additive_mask
 
 
@@ -93,9 +93,9 @@ class EagleHead(nn.Module):
                 x,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                cache=cache.hf if cache is not None else None,
                 use_cache=cache is not None,
                 position_embeddings=position_embeddings,
+                **{cache_keyword(LlamaDecoderLayer): cache.hf if cache is not None else None},
             )
         return x
 

@@ -8,20 +8,27 @@ kept or dropped by index.
 Llama-family targets (Llama, Mistral, Qwen2, Qwen3) run by default on
 `specgraft.fast_llama`, a lean forward over the same weights with a
 `StaticKVCache`; everything else, or ``fast=False``, runs HF's own forward
-with a `KVCache`. Both caches have the same interface.
+with a `KVCache`. Both caches have the same interface. HF's forward gets its
+cache under the keyword its own signature names (`cache_keyword`: the name
+changed in transformers 5.24), and `load_target` checks once, per model, that
+a continuation through the cache equals a fresh forward over the whole
+sequence, so API drift fails at load rather than as wrong text.
 
 Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import transformers
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedModel
 
 from specgraft.batched_cache import BatchedKVCache
 from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
@@ -35,6 +42,55 @@ MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 # share positions but each needs a slot, so a tree verified at the very end of
 # the context runs past it. Trees are at most a few hundred nodes.
 TREE_SLOTS = 1024
+# The keyword an HF forward takes its KV cache by, newest first: transformers 5.24
+# renamed ``past_key_values`` to ``cache``. A forward swallows a name it does not
+# know into ``**kwargs`` and silently runs without a cache, so the name is read
+# from the forward's own signature, never guessed.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def _named_cache_keyword(module_class: type) -> str | None:
+    params = inspect.signature(module_class.forward).parameters  # follows functools.wraps to the real forward
+    return next((name for name in CACHE_KEYWORDS if name in params), None)
+
+
+@functools.cache
+def installed_cache_keyword() -> str:
+    """The keyword the installed transformers' own models take the cache by (read from Llama's forward).
+
+    Raises:
+        RuntimeError: a transformers whose Llama takes neither known keyword.
+    """
+    name = _named_cache_keyword(LlamaForCausalLM)
+    if name is None:
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: LlamaForCausalLM.forward takes none of {CACHE_KEYWORDS}, "
+            "so specgraft cannot tell how this version passes the KV cache"
+        )
+    return name
+
+
+@functools.cache
+def cache_keyword(module_class: type) -> str:
+    """The keyword ``module_class.forward`` takes the KV cache by (read once per class).
+
+    A forward that names neither keyword but takes ``**kwargs`` (an adapter or
+    offloading wrapper that passes everything on) gets the installed
+    transformers' own name; `load_target` then checks that the cache is used.
+
+    Raises:
+        TypeError: a forward that can take neither keyword.
+    """
+    name = _named_cache_keyword(module_class)
+    if name is not None:
+        return name
+    params = inspect.signature(module_class.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return installed_cache_keyword()
+    raise TypeError(
+        f"{module_class.__name__}.forward takes no KV cache keyword ({' or '.join(CACHE_KEYWORDS)}) "
+        "and no **kwargs, so specgraft cannot pass it a cache"
+    )
 
 
 class KVCache:
@@ -113,6 +169,8 @@ class Target:
         self.config = model.config
         self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
         self.fast = _fast_path(model, fast)
+        # HF's forward is called with the cache under the keyword it takes; the fast path needs none.
+        self.cache_keyword = cache_keyword(type(model)) if self.fast is None else None
 
     @property
     def device(self) -> torch.device:
@@ -204,12 +262,12 @@ class Target:
             raise TypeError(f"target {self.name!r} runs Hugging Face's forward and needs a KVCache: use target.new_cache()")
         out = self.model(
             input_ids=input_ids,
-            cache=cache.hf,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=1 if last_only else 0,
+            **{self.cache_keyword: cache.hf},
         )
         hidden = {i: out.hidden_states[i] for i in hidden_layers}
         return ModelOutput(logits=out.logits.float(), hidden=hidden)
@@ -286,7 +344,7 @@ def load_model(
     role: str = "target",
     fast: bool | str = "auto",
 ) -> Target:
-    """Load and freeze a causal LM, checking that tree attention will be exact on it.
+    """Load and freeze a causal LM, checking that tree attention and the KV cache will be exact on it.
 
     ``fast``: "auto" runs Llama-family models on the lean `FastLlama` forward, True
     requires it (ValueError naming the architecture otherwise), False keeps HF's.
@@ -330,6 +388,7 @@ def load_model(
     model.eval().requires_grad_(False)
     target = Target(model, tokenizer, name, fast=fast)
     _check_tree_attention(target, role)
+    _check_cached_continuation(target, role)
     return target
 
 
@@ -355,8 +414,11 @@ def load_target(
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: an unknown dtype or device, an attention backend without
-            4D masks, a model whose forward ignores the tree mask, or
-            ``fast=True`` on an architecture the fast path does not cover.
+            4D masks, a model whose forward ignores the tree mask, a forward
+            that does not continue through the KV cache it is given (the error
+            names the transformers version), or ``fast=True`` on an
+            architecture the fast path does not cover.
+        TypeError: a forward that takes no KV cache keyword.
     """
     choose_threads(0, "cpu", threads)  # a bad value fails before the model loads
     target = load_model(
@@ -380,9 +442,62 @@ def _check_tree_attention(target: Target, role: str) -> None:
     mask = torch.full((2, 2), torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
     pair = target.forward(ids, target.new_cache(), torch.tensor([[0, 1]], device=device), mask[None, None])
     alone = target.forward(ids[:, 1:], target.new_cache(), torch.tensor([[1]], device=device))
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    if not torch.allclose(pair.logits[:, 1], alone.logits[:, 0], atol=tol, rtol=tol):
+    if not _same_logits(pair.logits[:, 1], alone.logits[:, 0], dtype):
         raise ValueError(
             f"{role} {target.name!r} ({type(target.model).__name__}) ignores custom 4D attention masks, "
             "so tree verification would be wrong; use a model whose attention takes a 4D mask (sdpa or eager)"
         )
+
+
+def _check_cached_continuation(target: Target, role: str) -> None:
+    """Refuse a model whose forward does not continue through the KV cache it is given.
+
+    A prefix runs into a cache; two sibling tokens then run through it at the
+    same position, each seeing the prefix and itself, as tree nodes do. Each
+    must get the logits of a fresh forward over the prefix and that token.
+    This catches a cache passed under a keyword the forward does not take
+    (it runs cacheless and says nothing), and a mask dropped once a cache is
+    in play, at load time rather than as wrong text.
+    """
+    device, dtype = target.device, target.dtype
+    ids = torch.tensor([[1, 2, 3, 4, 5]], device=device) % target.vocab_size
+    prefix, siblings = ids[:, :3], ids[:, 3:]  # (1, 3), (1, 2)
+    where = (
+        f"{role} {target.name!r} ({type(target.model).__name__}) under transformers {transformers.__version__}"
+        + (f", cache passed as {target.cache_keyword}=" if target.cache_keyword else ", fast path")
+    )
+    cache = target.new_cache()
+    target.forward(prefix, cache, torch.arange(3, device=device)[None])
+    if len(cache) != prefix.shape[1]:
+        raise ValueError(
+            f"{where}: a forward over {prefix.shape[1]} tokens left {len(cache)} positions in the KV cache, "
+            "so the model is not using the cache it is given"
+        )
+    visible = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool, device=device)  # (2, 3 + 2)
+    mask = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill(visible, 0.0)
+    cached = target.forward(siblings, cache, torch.tensor([[3, 3]], device=device), mask[None, None]).logits
+    faults = ("does not attend to what its KV cache holds", "ignores the 4D mask once a KV cache is in play")
+    for row, what in enumerate(faults):  # row 0 sees the prefix and itself either way; row 1 only if masked
+        whole = torch.cat([prefix, siblings[:, row:row + 1]], dim=1)
+        fresh = target.forward(whole, target.new_cache(), torch.arange(4, device=device)[None]).logits[:, -1]
+        if not _same_logits(cached[:, row], fresh, dtype):
+            raise ValueError(
+                f"{where}: a continuation through the KV cache differs from a fresh forward over the whole "
+                f"sequence (max |difference| {float((cached[:, row] - fresh).abs().max()):.3g}, largest |logit| "
+                f"{float(fresh.abs().max()):.3g}): the forward {what}, "
+                "so speculative output would be wrong; this transformers version may pass the cache differently"
+            )
+
+
+def _same_logits(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal to rounding: apart by at most a small fraction of the largest |logit| (1e-3 float32, 3e-2 half).
+
+    Why relative: one position's logits computed two ways (through a cache or
+    fresh, inside a tree or alone) run different kernel shapes. Measured on
+    SmolLM2-135M they differ by 6e-5 (float32) and 5e-3 (float16) of the
+    largest |logit|, 1.4e-3 absolute in float32, beyond any fixed atol that
+    a 2-layer model needs; a forward that ignores its cache moves them by
+    0.24 (stories260K) to 1.2 (SmolLM2) of it.
+    """
+    rtol = 1e-3 if dtype == torch.float32 else 3e-2
+    return float((got - want).abs().max()) <= rtol * max(1.0, float(want.abs().max()))

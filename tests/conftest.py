@@ -40,12 +40,24 @@ def dev_prompts() -> list[str]:
 
 
 def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 97, seed: int = 0, layers: int = 2):
-    """A random tiny causal LM of a given architecture, built in-process (no download)."""
+    """A random tiny causal LM of a given architecture, built in-process (no download).
+
+    Llama-family archs (llama, qwen2, qwen3, mistral) run on the fast path;
+    the others (`NON_LLAMA_ARCHS`) only on Hugging Face's forward.
+    """
     from transformers import (
+        GemmaConfig,
+        GemmaForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -64,20 +76,36 @@ def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 97, seed: int = 0, 
         eos_token_id=2,
         attn_implementation="sdpa",
     )
+    no_gqa = {k: v for k, v in common.items() if k != "num_key_value_heads"}
     builders = {
-        "llama": (LlamaConfig, LlamaForCausalLM, {}),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        "llama": (LlamaConfig, LlamaForCausalLM, common),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, common),
         # Qwen3 sets head_dim apart from hidden_size / heads: 16 * 4 != 32 on purpose.
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 4096}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {**common, "head_dim": 16}),
+        "mistral": (MistralConfig, MistralForCausalLM, {**common, "sliding_window": 4096}),
+        # GPT-2: learned absolute positions, LayerNorm, fused qkv, tied embeddings; its own config names.
+        "gpt2": (GPT2Config, GPT2LMHeadModel, dict(
+            vocab_size=vocab_size, n_embd=32, n_inner=64, n_layer=layers, n_head=4, n_positions=256,
+            bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+        )),
+        # GPT-NeoX: rotary on a quarter of each head (partial_rotary_factor 0.25), parallel residual, no GQA.
+        "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM, no_gqa),
+        # Phi-3: fused qkv and gate_up projections, GQA; its default pad id (32000) lies outside a tiny vocabulary.
+        "phi3": (Phi3Config, Phi3ForCausalLM, {**common, "pad_token_id": 0}),
+        # Gemma: embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, tied lm_head, head_dim 16 != 32 / 4.
+        "gemma": (GemmaConfig, GemmaForCausalLM, {**common, "head_dim": 16, "pad_token_id": 0}),
     }
-    config_cls, model_cls, extra = builders[arch]
+    config_cls, model_cls, kwargs = builders[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common, **extra))
+    model = model_cls(config_cls(**kwargs))
     # Random init gives near-uniform logits; scale the output so greedy choices are not coin flips on ties.
     with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
+        model.get_output_embeddings().weight.mul_(20.0)
     return model.eval()
+
+
+# Families the fast path does not cover: they run on Hugging Face's forward only.
+NON_LLAMA_ARCHS = ("gpt2", "gpt_neox", "phi3", "gemma")
 
 
 def numbered_kv(batch: int, heads: int, length: int, dim: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

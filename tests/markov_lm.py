@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specgraft.target import Target
+from specgraft.target import Target, installed_cache_keyword
 
 START = -1  # context slot for "no token here yet"
 
@@ -43,7 +43,15 @@ class MarkovLM(nn.Module):
         b = context[-1] if context else v
         return self.table[a, b]
 
-    def forward(self, input_ids, cache: DynamicCache, position_ids, attention_mask=None, **_) -> SimpleNamespace:
+    def forward(self, input_ids, position_ids, attention_mask=None, **kwargs) -> SimpleNamespace:
+        # The cache comes under the keyword the installed transformers' own models take, and no other:
+        # a double that took any name would hide a caller passing one real models swallow and ignore.
+        keyword = installed_cache_keyword()
+        if keyword not in kwargs:
+            raise TypeError(
+                f"MarkovLM.forward takes its cache as {keyword}=, as this transformers' models do; got {list(kwargs)}"
+            )
+        cache: DynamicCache = kwargs[keyword]
         t = input_ids.shape[1]
         keys = input_ids[:, None, :, None].float()  # (1, 1, T, 1): the token itself
         values = position_ids[:, None, :, None].float()  # (1, 1, T, 1): its position
