@@ -60,6 +60,7 @@ class Scheduler:
         self.queued: OrderedDict[int, _Sequence] = OrderedDict()
         self.running: OrderedDict[int, _Sequence] = OrderedDict()
         self.done: dict[int, GenerationOutput] = {}
+        self.failed: dict[int, Exception] = {}  # a row whose step raised: only that generation fails
         self._next_handle = 0
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, **options: Any) -> int:
@@ -75,14 +76,21 @@ class Scheduler:
 
         Returns the tokens each generation committed in this step (a newly
         admitted one: its first token, from its prefill). Finished generations
-        leave the batch within the step.
+        leave the batch within the step. A generation whose step raises (a
+        drafter failing on its input) leaves too, and `result` re-raises its
+        error: one generation's fault never stops the others.
         """
         while self.queued and len(self.running) < self.max_batch_size:
             handle, seq = self.queued.popitem(last=False)
             self.running[handle] = seq
         committed: dict[int, list[int]] = {}
         for handle, seq in list(self.running.items()):
-            kept = seq.decoding.advance(seq.rule)
+            try:
+                kept = seq.decoding.advance(seq.rule)
+            except Exception as err:  # any error of this row's own step: isolate it, keep serving the others
+                del self.running[handle]
+                self.failed[handle] = err
+                continue
             seq.token_ids.extend(kept)
             committed[handle] = kept
             if seq.rule.done:
@@ -91,13 +99,19 @@ class Scheduler:
         return committed
 
     def finished(self, handle: int) -> bool:
-        """Whether the generation has finished (its result is waiting). Unknown handles raise KeyError."""
+        """Whether the generation has finished or failed (its result is waiting). Unknown handles raise KeyError."""
         self._check(handle)
-        return handle in self.done
+        return handle in self.done or handle in self.failed
 
     def result(self, handle: int) -> GenerationOutput:
-        """The finished generation's output, handed over once (the handle is then forgotten)."""
+        """The finished generation's output, handed over once (the handle is then forgotten).
+
+        Raises:
+            Exception: the error a failed generation's step raised.
+        """
         self._check(handle)
+        if handle in self.failed:
+            raise self.failed.pop(handle)
         if handle not in self.done:
             raise ValueError(f"generation {handle} has not finished: step() until finished({handle})")
         return self.done.pop(handle)
@@ -105,14 +119,16 @@ class Scheduler:
     def cancel(self, handle: int) -> None:
         """Stop a queued or running generation now and free its rows; its handle is forgotten."""
         self._check(handle)
-        for table in (self.queued, self.running, self.done):
+        for table in (self.queued, self.running, self.done, self.failed):
             table.pop(handle, None)
 
     def tokens(self, handle: int) -> list[int]:
         """The tokens a queued or running generation has kept so far."""
         self._check(handle)
         seq = self.queued.get(handle) or self.running.get(handle)
-        return list(seq.token_ids) if seq is not None else list(self.done[handle].token_ids)
+        if seq is not None:
+            return list(seq.token_ids)
+        return list(self.done[handle].token_ids) if handle in self.done else []
 
     @property
     def idle(self) -> bool:
@@ -120,7 +136,7 @@ class Scheduler:
         return not self.queued and not self.running
 
     def _check(self, handle: int) -> None:
-        if handle not in self.queued and handle not in self.running and handle not in self.done:
+        if not any(handle in table for table in (self.queued, self.running, self.done, self.failed)):
             raise KeyError(f"unknown generation handle {handle!r} (never submitted, cancelled, or its result was taken)")
 
     def _output(self, seq: _Sequence) -> GenerationOutput:

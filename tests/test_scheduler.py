@@ -105,3 +105,29 @@ def test_per_prompt_options_take_one_value_or_one_per_prompt():
     ]
     with pytest.raises(ValueError, match="'seed' has 3 values for 2 prompts"):
         per_prompt_options(2, seed=[1, 2, 3])
+
+
+class _FailsOn(sg.PromptLookup):
+    """Prompt lookup that raises on prompts holding one token: a drafter failing on one generation's input."""
+
+    def __init__(self, token: int) -> None:
+        super().__init__()
+        self.token = token
+
+    def start(self, prompt_ids, hidden):
+        if self.token in prompt_ids.tolist():
+            raise RuntimeError("drafter failed")
+        return super().start(prompt_ids, hidden)
+
+
+def test_a_failing_generation_leaves_alone_and_result_raises_its_error(stories, prompts):
+    gen = sg.SpeculativeGenerator(stories, _FailsOn(511), tree=sg.Chain(4))
+    sched = gen.scheduler(max_batch_size=4)
+    good = sched.submit(prompts[0], max_new_tokens=12, eos_token_id=())
+    bad = sched.submit([1, 403, 511], max_new_tokens=12, eos_token_id=())
+    while not (sched.finished(good) and sched.finished(bad)):
+        sched.step()
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        sched.result(bad)
+    assert sched.result(good).token_ids == gen.generate(prompts[0], max_new_tokens=12, eos_token_id=()).token_ids
+    assert sched.idle
