@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specgraft.heads.export import add_export_arguments, export_main
     from specgraft.heads.import_head import add_import_arguments, import_main
     from specgraft.infer.bench import add_bench_arguments, bench_main
+    from specgraft.infer.server import add_serve_arguments, serve_main
     from specgraft.quickstart import add_quickstart_arguments, quickstart_main
 
     for name, add_arguments, func, text in (
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("export", add_export_arguments, export_main, "write a trained head in vLLM, SGLang, EAGLE or Medusa format"),
         ("import-head", add_import_arguments, import_main, "read an official EAGLE, EAGLE-3 or Medusa checkpoint"),
         ("bench", add_bench_arguments, bench_main, "benchmark drafters and trees against baselines in one interleaved run"),
+        ("serve", add_serve_arguments, serve_main, "an OpenAI-compatible server with continuous batching"),
     ):
         cmd = sub.add_parser(name, help=text)
         add_arguments(cmd)
