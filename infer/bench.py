@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import itertools
 import json
 import platform
@@ -44,6 +43,7 @@ from transformers.generation.streamers import BaseStreamer
 from specgraft.heads import PromptLookup, drafter_from_spec
 from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
+from specgraft.infer.prompts import BenchPrompt, encode_prompt, read_prompt_file  # noqa: F401 (re-exported)
 from specgraft.infer.stats import GenerationStats, percentile
 from specgraft.target import Target, load_model
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
@@ -59,98 +59,6 @@ PLOTS = ("speed_vs_accepted_length.png", "accept_length_histogram.png", "accepta
 # Neutral values for the generation_config fields that change greedy output, so a model's shipped
 # defaults (e.g. repetition_penalty=1.05 in some instruct models) cannot make HF differ from plain argmax.
 HF_GREEDY = dict(do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=0)
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    category: str
-    text: str
-
-
-def _open_text(path: Path):
-    """Text lines of a plain or gzip file (detected by magic bytes, so a .jsonl.gz renamed still reads)."""
-    with path.open("rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
-
-
-def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
-    """One JSON record of a known prompt set; the format is told by its keys."""
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "turns" in record:  # Spec-Bench / MT-bench: benchmark the first turn
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
-        return BenchPrompt(str(record.get("question_id", number)), str(record.get("category", "unknown")), turns[0])
-    for key, category, id_key in (("prompt", "humaneval", "task_id"), ("question", "gsm8k", None), ("text", "text", "id")):
-        if key in record:
-            text = record[key]
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{where}: {key!r} must be a non-empty string")
-            return BenchPrompt(str(record.get(id_key, number) if id_key else number), category, text)
-    raise ValueError(
-        f"{where}: unknown record format with keys {sorted(record)}; expected 'turns' (Spec-Bench / MT-bench), "
-        "'prompt' (HumanEval), 'question' (GSM8K) or 'text' (training-data text records)"
-    )
-
-
-def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz), GSM8K or ``{"text"}`` file, or plain text.
-
-    The format comes from the records: a file whose first non-blank line is a
-    JSON object (or whose name ends in .jsonl / .jsonl.gz) is JSON lines, and
-    each record's keys say which prompt set it is; anything else is plain text,
-    one prompt per line. Categories come from the records ('turns' sets), or are
-    'humaneval', 'gsm8k' or 'text'. ``{"id", "text"}`` records (the training
-    data's text form) make calibration prompts apart from the evaluation set.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: a malformed line, named as FILE:LINE.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    with _open_text(path) as f:
-        lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
-    json_lines = path.name.endswith((".jsonl", ".jsonl.gz")) or (bool(lines) and lines[0][1].lstrip().startswith("{"))
-    prompts = []
-    for number, line in lines[:limit]:
-        if not json_lines:
-            prompts.append(BenchPrompt(str(number), "text", line))
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
-        prompts.append(_record_prompt(record, f"{path}:{number}", number))
-    if not prompts:
-        raise ValueError(f"prompts file {path} holds no prompts")
-    return prompts
-
-
-def encode_prompt(target: Target, text: str) -> list[int]:
-    """Token ids the target sees: the user turn in its chat template when it has one, else the raw text.
-
-    Templates carry their own special tokens, so templated text is not given
-    the tokenizer's BOS a second time.
-    """
-    tokenizer = target.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"target {target.name!r} has no tokenizer, so text prompts cannot be encoded")
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return [int(i) for i in ids]
-    return target.encode(text)
 
 
 # ---------------------------------------------------------------------------------------------- methods
@@ -733,11 +641,16 @@ def expand_sweep(spec: Sequence[str], base_tree: TreePolicy) -> list[tuple[str, 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``specgraft bench``."""
-    parser.add_argument("--target", required=True, help="target model directory or hub id")
+    parser.add_argument("--target", help="target model directory or hub id (offline bench)")
+    parser.add_argument("--server", metavar="URL",
+                        help="bench a running `specgraft serve` at URL instead (see specgraft.infer.bench_server)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="with --server: concurrent requests per level")
+    parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
     parser.add_argument(
         "--drafter", action="append", default=[],
         help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
-        "directory (repeatable; each is crossed with each --tree)",
+        "directory (repeatable; each is crossed with each --tree). With --server: the one drafter NAME the "
+        "requests ask for when speculation is on (default 'auto', the server's default)",
     )
     parser.add_argument("--tree", action="append", default=[], help="'chain:N', 'static:FILE.json' or "
                         "'dynamic:TOP_K,DEPTH,BUDGET' (repeatable; default chain:5). prompt-lookup ignores trees")
@@ -836,6 +749,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
     import specgraft as sg
 
+    if args.server:
+        return _server_bench(args)
+    if not args.target:
+        raise ValueError("give --target (offline bench) or --server URL (a running specgraft serve)")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:
@@ -874,3 +791,18 @@ def bench_main(args: argparse.Namespace) -> int:
               f"{results['settings']['reference']!r}; see 'mismatches' in results.json", file=sys.stderr)
         return 1
     return 0
+
+
+def _server_bench(args: argparse.Namespace) -> int:
+    """``--server``: the HTTP bench, which loads no model here; flags of the offline bench are refused."""
+    from specgraft.infer.bench_server import server_bench_main
+
+    offline = [flag for flag, given in (("--target", args.target), ("--tree", args.tree), ("--method", args.method),
+                                        ("--sweep", args.sweep)) if given]
+    if offline:
+        raise ValueError(f"{', '.join(offline)} apply to the offline bench, not to --server")
+    if len(args.drafter) > 1:
+        raise ValueError(f"--server takes one --drafter (a name the server loaded), got {args.drafter}")
+    args.server_drafter = args.drafter[0] if args.drafter else "auto"
+    return server_bench_main(args)
+
