@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import json
 import secrets
+import signal
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,8 +171,11 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
             tree = tree_from_spec(spec, where="speculative.tree")
     except (ValueError, TypeError, KeyError) as err:
         raise HTTPError(400, str(err), param="speculative.tree") from None
-    depth = getattr(tree, "depth", 0)
-    nodes = getattr(tree, "budget", None) or (len(spec) if isinstance(spec, list) else depth)
+    if isinstance(tree, StaticTree):
+        depth, nodes = tree.max_depth, len(tree.choices)
+    else:  # a chain (depth nodes) or a dynamic tree (budget nodes)
+        depth = tree.depth
+        nodes = getattr(tree, "budget", depth)
     if depth > MAX_SPECULATIVE_TOKENS or nodes > MAX_TREE_NODES:
         raise HTTPError(400, f"tree {spec!r} is too large: depth {depth} (at most {MAX_SPECULATIVE_TOKENS}), "
                         f"{nodes} nodes (at most {MAX_TREE_NODES})", param="speculative.tree")
@@ -539,5 +544,15 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
+    # uvicorn catches SIGTERM, stops accepting, drains in-flight requests (up to --shutdown-timeout), and then
+    # re-raises the signal for the handler it found. That handler is this one, so a drained server exits 0
+    # rather than dying by the signal's default action.
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: caught.append(sig))
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if caught:
+        print("specgraft serve: SIGTERM: stopped accepting, drained in-flight requests, exiting", file=sys.stderr)
     return 0

@@ -165,6 +165,10 @@ def bad_requests() -> list[tuple[str, object, int, str]]:
         ("completions", {**ok, "temperature": "hot"}, 400, "temperature"),
         ("completions", {**ok, "speculative": {"drafter": "medusa"}}, 400, "prompt-lookup"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": "static:/etc/passwd"}}, 400, "never a file"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": {"kind": "static", "choices": [[i] for i in range(300)]}}},
+         400, "too large"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "num_speculative_tokens": 2, "tree": "chain:2"}}, 400, "not both"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "K": 2}}, 400, "speculative.K"),
         ("completions", {**ok, "max_tokens": 600}, 400, "600"),
         ("completions", {**ok, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
         ("completions", {**ok, "n": 2}, 400, "n=2"),
@@ -290,3 +294,87 @@ def test_full_queue_answers_503_with_retry_after(small_server):
             assert "retry" in busy.json()["error"]["message"]
             events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # the running request was not disturbed
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # ~25 s on 2 shared cores, nearly all of it a fresh process importing torch and loading the target
+def test_sigterm_drains_the_running_stream_and_exits_cleanly(plain, dev_prompts):
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        offline = plain.generate(dev_prompts[6], max_new_tokens=300, eos_token_id=())
+        body = {"model": "stories260K", "prompt": dev_prompts[6], "max_tokens": 300, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            events = [json.loads(first[6:])] + [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == offline.text and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        assert "SIGTERM" in proc.stderr.read()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- bench --server
+
+
+def test_bench_server_writes_the_concurrency_table(server, tmp_path):
+    from specgraft.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nTom had a red ball.\nThe sun was\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--server", server.url, "--concurrency", "1,3", "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_identical"] and results["settings"]["model"] == MODEL
+    assert [(r["concurrency"], r["speculative"]) for r in results["levels"]] == [(1, "off"), (1, "on"), (3, "off"), (3, "on")]
+    for r in results["levels"]:
+        assert r["requests"] == 3 and r["completion_tokens"] == 24 and r["total_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+    assert "| 3 | on |" in (out / "results.md").read_text()
+    assert (out / "server_tokens_per_s.png").is_file() and (out / "server_latency.png").is_file()
+
+
+def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
+    from specgraft.cli import main
+    from specgraft.infer.bench_server import parse_concurrency
+
+    with pytest.raises(ValueError, match="positive integers"):
+        parse_concurrency("1,x")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hi\n")
+    assert main(["bench", "--server", "http://127.0.0.1:9", "--target", "x", "--prompts", str(prompts), "--out", str(tmp_path)]) == 2
