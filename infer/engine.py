@@ -87,7 +87,10 @@ class Job:
     ended: bool = False
 
     def post(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the HTTP side's loop has closed: nobody is left to tell
+            pass
 
 
 class EngineObserver:
