@@ -19,12 +19,13 @@ import json
 import secrets
 import signal
 import sys
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -270,14 +271,14 @@ def create_app(
             return error_response(state, HTTPError(400, f"malformed JSON body (expected a JSON object): {why}"))
         return error_response(state, HTTPError(400, f"{param or 'body'}: {first['msg']}", param=param or None))
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
+    async def check_api_key(request: Request) -> None:
+        """A dependency of the /v1/ routes (a middleware would wrap ``receive`` and hide client disconnects)."""
+        if state.api_key:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return error_response(state, HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                                       code="invalid_api_key"))
-        return await call_next(request)
+                raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    keyed = [Depends(check_api_key)]
 
     @app.get("/health")
     async def health() -> Response:
@@ -289,19 +290,19 @@ def create_app(
     async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": now(), "owned_by": "specgraft",
             "max_model_len": target.max_context, "drafters": state.available(), "default_drafter": state.default_drafter,
         }]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ids = completion_prompt_ids(target, body.prompt)
         return await serve(state, request, body, ids, body.max_tokens or 16, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if not body.messages:
             raise HTTPError(400, "messages is empty", param="messages")
@@ -386,11 +387,22 @@ async def first_event(state: ServerState, request: Request, job: Job):
 
 
 async def whole(state: ServerState, request: Request, reply: Reply, event, max_tokens: int) -> Response:
-    """A non-streaming answer: gather every token, then one JSON body."""
+    """A non-streaming answer: gather every token, then one JSON body.
+
+    The client is checked every ``DISCONNECT_POLL_S`` while tokens arrive too:
+    one that went away has its job cancelled rather than run to the end.
+    """
     text = ""
+    checked = time.monotonic()
     while not isinstance(event, (Finished, Failed)):
         reply.tokens += event.token_ids
         text += reply.text.add(event.token_ids)
+        if time.monotonic() - checked > DISCONNECT_POLL_S:
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                state.engine.cancel(reply.job)
+                state.metrics.requests.labels("499").inc()
+                return Response(status_code=499)
         event = await first_event(state, request, reply.job)
         if event is None:
             return Response(status_code=499)

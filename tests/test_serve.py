@@ -124,6 +124,34 @@ def test_no_speculation_gives_the_same_text_with_one_target_call_per_token(clien
     assert k2.speculative_stats["tree"] == repr(sg.Chain(2))
 
 
+def test_sampling_options_reach_the_engine_as_offline_sampling_takes_them(client, stories, dev_prompts):
+    """A seeded sampled request equals the offline generation with the same drafter, tree and options."""
+    prompt = dev_prompts[7]
+    options = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7)
+    offline = sg.SpeculativeGenerator(stories, sg.PromptLookup(num_tokens=3), tree=sg.Chain(4)).generate(
+        prompt, max_new_tokens=TOKENS, **options)
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0.8, top_p=0.9, seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05, "return_token_ids": True,
+                    "speculative": {"drafter": "prompt-lookup", "num_speculative_tokens": 3}},
+    )
+    assert out.choices[0].token_ids == offline.token_ids
+
+
+def test_chat_prompt_uses_the_targets_template_when_it_has_one(stories):
+    import copy
+
+    tokenizer = copy.deepcopy(stories.tokenizer)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    messages = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "A dog."}]
+    ids = chat_prompt_ids(sg.Target(stories.model, tokenizer, "templated"), messages)
+    assert stories.decode(ids) == "system: Tell stories.\nuser: A dog.\nassistant:"
+    assert chat_prompt_ids(stories, messages) == stories.encode("Tell stories.\nA dog.")  # no template: texts joined
+
+
 def test_stop_strings_end_the_text_before_them(client, plain, dev_prompts):
     prompt = dev_prompts[0]
     full = plain.generate(prompt, max_new_tokens=TOKENS).text
@@ -260,6 +288,22 @@ def test_load_64_streams_then_disconnects_then_bad_input_beside_a_stream(server,
         await aclient.close()
 
     asyncio.run(scenario())
+
+
+def test_a_client_gone_before_a_whole_answer_has_its_generation_cancelled(server):
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return metric(text, "specgraft_requests_total", 'status="499"'), metric(text, "specgraft_running_sequences")
+
+    before, _ = counts()
+    slow = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True,
+            "speculative": {"drafter": "eagle", "tree": "dynamic:8,6,48"}}  # a random head: seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=slow, timeout=httpx.Timeout(10, read=0.3))
+    deadline = time.monotonic() + 10
+    while counts() != (before + 1, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == (before + 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------- limits and keys
