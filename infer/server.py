@@ -177,6 +177,7 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
     else:  # a chain (depth nodes) or a dynamic tree (budget nodes)
         depth = tree.depth
         nodes = getattr(tree, "budget", depth)
+    nodes = max(nodes, getattr(tree, "top_k", 0))  # a dynamic tree scores top_k children of every node it grows
     if depth > MAX_SPECULATIVE_TOKENS or nodes > MAX_TREE_NODES:
         raise HTTPError(400, f"tree {spec!r} is too large: depth {depth} (at most {MAX_SPECULATIVE_TOKENS}), "
                         f"{nodes} nodes (at most {MAX_TREE_NODES})", param="speculative.tree")
