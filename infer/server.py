@@ -28,11 +28,11 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specgraft.heads import PromptLookup, drafter_from_spec, load_drafter
 from specgraft.heads.base import Drafter
-from specgraft.infer.engine import Config, Engine, EngineObserver, Failed, Finished, Job, QueueFull, Tokens
+from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
 from specgraft.infer.openai_protocol import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
@@ -48,6 +48,7 @@ from specgraft.infer.openai_protocol import (
     refused_options,
     stop_strings,
 )
+from specgraft.infer.serve_metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.target import Target
 from specgraft.tree import Chain, StaticTree, TreePolicy, parse_tree_spec
@@ -56,8 +57,6 @@ from specgraft.tree.policies import tree_from_spec
 PROMPT_LOOKUP = "prompt-lookup"
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
 DISCONNECT_POLL_S = 0.5  # how often a request that has no token yet checks that its client is still there
-# Buckets for TTFT and inter-token latency: from a tiny model's sub-millisecond steps up to a queued request's seconds.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class HTTPError(Exception):
@@ -67,48 +66,6 @@ class HTTPError(Exception):
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-class Metrics(EngineObserver):
-    """Prometheus metrics in a registry of this server's own (two servers in one process never mix)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self._calls, self._committed = 0, 0.0  # totals behind the tau gauge
-        r = self.registry
-        self.requests = Counter("specgraft_requests", "Requests by HTTP status (499: client went away)", ["status"], registry=r)
-        self.generated = Counter("specgraft_generated_tokens", "Tokens generated", registry=r)
-        self.target_calls = Counter("specgraft_target_calls", "Target forward passes, prefill included", registry=r)
-        self.decode_calls = Counter("specgraft_decode_target_calls", "Target forward passes after prefill", registry=r)
-        self.committed = Counter("specgraft_committed_tokens", "Tokens committed by those decode passes", registry=r)
-        self.mean_accepted = Gauge("specgraft_mean_accepted_length", "Committed tokens per decode target call (tau)", registry=r)
-        self.running = Gauge("specgraft_running_sequences", "Generations holding cache rows", registry=r)
-        self.queued = Gauge("specgraft_queued_sequences", "Generations waiting for a row", registry=r)
-        self.ttft = Histogram("specgraft_time_to_first_token_seconds", "Time to first token, queueing included",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("specgraft_inter_token_latency_seconds", "Step time / tokens the step committed",
-                             buckets=LATENCY_BUCKETS, registry=r)
-
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def tokens(self, count: int, seconds_each: float) -> None:
-        for _ in range(count):
-            self.itl.observe(seconds_each)
-
-    def finished(self, stats: GenerationStats) -> None:
-        self.generated.inc(stats.new_tokens)
-        self.target_calls.inc(stats.target_calls + 1)
-        self.decode_calls.inc(stats.target_calls)
-        committed = stats.mean_accepted_length * stats.target_calls
-        self.committed.inc(committed)
-        self._calls += stats.target_calls  # only the engine thread reports finished generations
-        self._committed += committed
-        self.mean_accepted.set(self._committed / self._calls if self._calls else 0.0)
-
-    def load(self, running: int, queued: int) -> None:
-        self.running.set(running)
-        self.queued.set(queued)
 
 
 @dataclass
