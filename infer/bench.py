@@ -20,13 +20,17 @@ chunk ``generate`` emits (one chunk per target forward); what HF cannot tell
 us (draft tokens, KV peak) is None and listed under ``not_measured``.
 
 Writes ``results.json``, ``results.md`` and three PNG plots into ``--out``.
+
+This module runs the bench (interleaving, aggregation, sweeps, flags); the
+prompt readers are in `specgraft.infer.prompts`, the methods in
+`bench_runners`, the report and plots in `bench_report`, and ``--server``
+(a running `specgraft serve` driven over HTTP) in `bench_server`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import itertools
 import json
 import platform
@@ -35,257 +39,27 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from transformers.generation.streamers import BaseStreamer
-
 from specgraft.heads import PromptLookup, drafter_from_spec
 from specgraft.heads.base import Drafter
-from specgraft.infer.generator import SpeculativeGenerator
-from specgraft.infer.stats import GenerationStats, percentile
-from specgraft.target import Target, load_model
+# Re-exported: bench.py was one file, and callers import these names from it.
+from specgraft.infer.bench_report import PLOTS as PLOTS
+from specgraft.infer.bench_report import results_markdown as results_markdown
+from specgraft.infer.bench_report import write_results
+from specgraft.infer.bench_runners import STATS_KEYS as STATS_KEYS
+from specgraft.infer.bench_runners import ChunkClock  # noqa: F401
+from specgraft.infer.bench_runners import BASELINE_KINDS, HF_PLD_NUM_TOKENS, Runner, baseline_runner, engine_runner, parse_baseline
+from specgraft.infer.prompts import BenchPrompt, read_prompt_file
+from specgraft.infer.prompts import encode_prompt as encode_prompt
+from specgraft.infer.stats import GenerationStats
+from specgraft.target import Target
 from specgraft.threads import apply_threads, parse_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
 
-STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))
-# What a streamer can see of HF generate: chunk sizes and their times. Not draft tokens, not the KV cache.
-HF_NOT_MEASURED = ("draft_tokens_per_token", "kv_cache_tokens_peak")
-BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
-# HF prompt lookup: tokens copied per match. 10 is the value in transformers' docs and the PLD paper's repo.
-HF_PLD_NUM_TOKENS = 10
 SWEEP_KEYS = ("depth", "top_k", "budget")
-PLOTS = ("speed_vs_accepted_length.png", "accept_length_histogram.png", "acceptance_by_depth.png")
-# Neutral values for the generation_config fields that change greedy output, so a model's shipped
-# defaults (e.g. repetition_penalty=1.05 in some instruct models) cannot make HF differ from plain argmax.
-HF_GREEDY = dict(do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=0)
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    category: str
-    text: str
-
-
-def _open_text(path: Path):
-    """Text lines of a plain or gzip file (detected by magic bytes, so a .jsonl.gz renamed still reads)."""
-    with path.open("rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")
-
-
-def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
-    """One JSON record of a known prompt set; the format is told by its keys."""
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "turns" in record:  # Spec-Bench / MT-bench: benchmark the first turn
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
-        return BenchPrompt(str(record.get("question_id", number)), str(record.get("category", "unknown")), turns[0])
-    for key, category, id_key in (("prompt", "humaneval", "task_id"), ("question", "gsm8k", None), ("text", "text", "id")):
-        if key in record:
-            text = record[key]
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{where}: {key!r} must be a non-empty string")
-            return BenchPrompt(str(record.get(id_key, number) if id_key else number), category, text)
-    raise ValueError(
-        f"{where}: unknown record format with keys {sorted(record)}; expected 'turns' (Spec-Bench / MT-bench), "
-        "'prompt' (HumanEval), 'question' (GSM8K) or 'text' (training-data text records)"
-    )
-
-
-def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
-    """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz), GSM8K or ``{"text"}`` file, or plain text.
-
-    The format comes from the records: a file whose first non-blank line is a
-    JSON object (or whose name ends in .jsonl / .jsonl.gz) is JSON lines, and
-    each record's keys say which prompt set it is; anything else is plain text,
-    one prompt per line. Categories come from the records ('turns' sets), or are
-    'humaneval', 'gsm8k' or 'text'. ``{"id", "text"}`` records (the training
-    data's text form) make calibration prompts apart from the evaluation set.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: a malformed line, named as FILE:LINE.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
-    with _open_text(path) as f:
-        lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
-    json_lines = path.name.endswith((".jsonl", ".jsonl.gz")) or (bool(lines) and lines[0][1].lstrip().startswith("{"))
-    prompts = []
-    for number, line in lines[:limit]:
-        if not json_lines:
-            prompts.append(BenchPrompt(str(number), "text", line))
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
-        prompts.append(_record_prompt(record, f"{path}:{number}", number))
-    if not prompts:
-        raise ValueError(f"prompts file {path} holds no prompts")
-    return prompts
-
-
-def encode_prompt(target: Target, text: str) -> list[int]:
-    """Token ids the target sees: the user turn in its chat template when it has one, else the raw text.
-
-    Templates carry their own special tokens, so templated text is not given
-    the tokenizer's BOS a second time.
-    """
-    tokenizer = target.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"target {target.name!r} has no tokenizer, so text prompts cannot be encoded")
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return [int(i) for i in ids]
-    return target.encode(text)
-
-
-# ---------------------------------------------------------------------------------------------- methods
-
-
-@dataclass
-class Runner:
-    """One benchmarked method: greedy ``generate(prompt_ids, max_new_tokens) -> (new token ids, stats dict)``.
-
-    ``measured`` names the stats keys the method really measures; the others are None.
-    """
-
-    name: str
-    generate: Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
-    source: str = "specgraft"
-    measured: tuple[str, ...] = STATS_KEYS
-
-
-def engine_runner(name: str, target: Target, drafter: Drafter | None, tree: TreePolicy | None) -> Runner:
-    """Our engine with a drafter (None: plain decoding, one target call per token)."""
-    gen = SpeculativeGenerator(target, drafter, tree=tree)
-
-    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
-        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0)
-        return out.token_ids, out.stats.to_dict()
-
-    return Runner(name, generate)
-
-
-class ChunkClock(BaseStreamer):
-    """A `generate` streamer that stamps each chunk of new tokens, to measure HF the way we measure ourselves.
-
-    transformers streams the prompt once, then the tokens of each target
-    forward as one chunk (one token for greedy search, accepted drafts plus
-    one for assisted decoding), so chunk sizes are tokens per target call.
-    Cost: one clock read and one append per chunk.
-    """
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.prompt_seen = False
-        self.times: list[float] = []
-        self.sizes: list[int] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-        self.sizes.append(int(value.numel()))
-
-    def end(self) -> None:
-        pass
-
-    def stats(self, new_tokens: int) -> dict[str, Any]:
-        """GenerationStats keys by our definitions; the first chunk is HF's prefill call."""
-        if not self.sizes:
-            return {**GenerationStats(new_tokens=new_tokens).to_dict(), **dict.fromkeys(HF_NOT_MEASURED)}
-        after = self.sizes[1:]  # tokens of each target call after the prefill call
-        histogram = [0] * max(after, default=0)
-        for n in after:
-            histogram[n - 1] += 1
-        latencies: list[float] = []
-        for i, n in enumerate(after, start=1):
-            latencies.extend([(self.times[i] - self.times[i - 1]) / n] * n)
-        latencies = sorted(latencies) or [0.0]
-        decode_time = self.times[-1] - self.times[0]
-        return {
-            "new_tokens": new_tokens,
-            "target_calls": len(after),
-            "mean_accepted_length": sum(after) / len(after) if after else 0.0,
-            "accept_length_histogram": histogram,
-            "draft_tokens_per_token": None,
-            "ttft_s": self.times[0] - self.start,
-            "tokens_per_s": sum(after) / decode_time if decode_time > 0 else 0.0,
-            "itl_p50_s": percentile(latencies, 0.5),
-            "itl_p99_s": percentile(latencies, 0.99),
-            "kv_cache_tokens_peak": None,
-            "lossless": True,
-        }
-
-
-def hf_runner(name: str, target: Target, **generate_options: Any) -> Runner:
-    """transformers' ``generate`` on the target's model, greedy, timed by a `ChunkClock`."""
-    model = target.model
-    pad = model.generation_config.pad_token_id
-    if pad is None and target.eos_token_ids:
-        generate_options.setdefault("pad_token_id", target.eos_token_ids[0])  # silences HF's per-call warning
-
-    @torch.inference_mode()
-    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
-        input_ids = torch.tensor([ids], device=target.device)
-        clock = ChunkClock()
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            streamer=clock, **HF_GREEDY, **generate_options,
-        )
-        tokens = out[0, len(ids):].tolist()
-        return tokens, clock.stats(len(tokens))
-
-    measured = tuple(k for k in STATS_KEYS if k not in HF_NOT_MEASURED)
-    return Runner(name, generate, source="transformers", measured=measured)
-
-
-def parse_baseline(spec: str) -> tuple[str, str | None]:
-    """(kind, assistant path) of one ``--baselines`` entry; errors name the entry and the choices."""
-    kind, sep, arg = spec.strip().partition(":")
-    if kind == "hf-assisted":
-        if not arg:
-            raise ValueError(f"baseline {spec!r}: hf-assisted needs a model directory, as 'hf-assisted:PATH'")
-        if not Path(arg).expanduser().is_dir():
-            raise FileNotFoundError(f"baseline {spec!r}: assistant model directory {arg!r} does not exist")
-        return kind, arg
-    if kind in ("plain", "hf", "hf-pld") and not sep:
-        return kind, None
-    raise ValueError(f"unknown baseline {spec!r}: choose from {', '.join(BASELINE_KINDS)}")
-
-
-def baseline_runner(spec: str, target: Target) -> Runner:
-    """The runner of one baseline spec (see `parse_baseline`); the assistant model loads here."""
-    kind, path = parse_baseline(spec)
-    if kind == "plain":
-        return engine_runner("plain", target, None, None)
-    if kind == "hf":
-        return hf_runner("hf", target)
-    if kind == "hf-pld":
-        return hf_runner("hf-pld", target, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS)
-    assistant = load_model(path, dtype=target.dtype, device=target.device, role="assistant model")
-    if assistant.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"baseline {spec!r}: the assistant's vocabulary ({assistant.vocab_size}) differs from the target's "
-            f"({target.vocab_size}); HF assisted generation is benchmarked with a shared tokenizer only"
-        )
-    return hf_runner(f"hf-assisted:{Path(path).name}", target, assistant_model=assistant.model)
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
@@ -580,104 +354,6 @@ def _settings(
     }
 
 
-# ---------------------------------------------------------------------------------------------- reports
-
-
-def _fmt(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def results_markdown(results: Mapping[str, Any]) -> str:
-    """The table a README quotes: method, tau, end-to-end tokens/s, speedup vs each baseline."""
-    settings = results["settings"]
-    bases = settings["baselines"]
-    header = ["method", "tau", "tokens/s"] + [f"vs {b}" for b in bases]
-    lines = [
-        f"# specgraft bench: {settings['target']}",
-        "",
-        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
-        f"{settings['threads']} thread(s)"
-        + (f" ({settings['threads_choice']})" if settings.get("threads_choice") else "")
-        + f", {settings['device']} {settings['dtype']}. "
-        f"Greedy outputs identical to `{settings['reference']}`: "
-        + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches)."),
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-    ]
-    for m in results["methods"]:
-        row = [m["method"], _fmt(m["mean_accepted_length"], 2), _fmt(m["e2e_tokens_per_s"], 1)]
-        row += [_fmt(m["speedup_vs"].get(b), 2) + "x" if m["speedup_vs"].get(b) is not None else "-" for b in bases]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
-        "",
-        "tau: committed tokens per target call after the first (HF methods: tokens per streamed chunk). "
-        "tokens/s: median over prompts of new tokens / wall time of the whole call, prefill included, "
-        "the same clock for every method; speedups are ratios of these medians. "
-        "Methods ran interleaved, prompt by prompt.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_results(results: Mapping[str, Any], out_dir: str | Path) -> Path:
-    """results.json, results.md and the plots into ``out_dir`` (created)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "results.md").write_text(results_markdown(results))
-    write_plots(results, out)
-    return out
-
-
-def write_plots(results: Mapping[str, Any], out: Path) -> list[Path]:
-    """Speed vs accepted length, accept-length histograms, and acceptance per depth, as PNGs."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never open a window
-    from matplotlib import pyplot as plt
-
-    methods = [m for m in results["methods"] if m["mean_accepted_length"] is not None]
-    paths = [out / name for name in PLOTS]
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for m in methods:
-        ax.scatter(m["mean_accepted_length"], m["e2e_tokens_per_s"] or 0.0)
-        ax.annotate(m["method"], (m["mean_accepted_length"], m["e2e_tokens_per_s"] or 0.0), fontsize=8,
-                    xytext=(4, 4), textcoords="offset points")
-    ax.set(xlabel="mean accepted length (tau)", ylabel="tokens/s (median, end to end)", title="Speed vs accepted length")
-    _save(fig, paths[0])
-
-    fig, axes = plt.subplots(len(methods), 1, figsize=(6, 1.8 * len(methods) + 0.6), squeeze=False, sharex=True)
-    for ax, m in zip(axes[:, 0], methods):
-        hist = m["accept_length_histogram"]
-        total = sum(hist) or 1
-        ax.bar(range(1, len(hist) + 1), [h / total for h in hist])
-        ax.set_ylabel("share of steps", fontsize=8)
-        ax.set_title(m["method"], fontsize=9)
-    axes[-1, 0].set_xlabel("tokens committed per target call")
-    _save(fig, paths[1])
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for m in methods:
-        rates = m["acceptance_by_depth"]
-        if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m["method"])
-    ax.set(xlabel="tree depth d", ylabel="P(accepted at d | reached d)", title="Acceptance per depth", ylim=(0, 1.05))
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    _save(fig, paths[2])
-    return paths
-
-
-def _save(fig, path: Path) -> None:
-    from matplotlib import pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------- sweeps
 
 
@@ -736,11 +412,16 @@ def expand_sweep(spec: Sequence[str], base_tree: TreePolicy) -> list[tuple[str, 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``specgraft bench``."""
-    parser.add_argument("--target", required=True, help="target model directory or hub id")
+    parser.add_argument("--target", help="target model directory or hub id (offline bench)")
+    parser.add_argument("--server", metavar="URL",
+                        help="bench a running `specgraft serve` at URL instead (see specgraft.infer.bench_server)")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="with --server: concurrent requests per level")
+    parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
     parser.add_argument(
         "--drafter", action="append", default=[],
         help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
-        "directory (repeatable; each is crossed with each --tree)",
+        "directory (repeatable; each is crossed with each --tree). With --server: the one drafter NAME the "
+        "requests ask for when speculation is on (default 'auto', the server's default)",
     )
     parser.add_argument("--tree", action="append", default=[], help="'chain:N', 'static:FILE.json' or "
                         "'dynamic:TOP_K,DEPTH,BUDGET' (repeatable; default chain:5). prompt-lookup ignores trees")
@@ -841,6 +522,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
     import specgraft as sg
 
+    if args.server:
+        return _server_bench(args)
+    if not args.target:
+        raise ValueError("give --target (offline bench) or --server URL (a running specgraft serve)")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:
@@ -878,3 +563,18 @@ def bench_main(args: argparse.Namespace) -> int:
               f"{results['settings']['reference']!r}; see 'mismatches' in results.json", file=sys.stderr)
         return 1
     return 0
+
+
+def _server_bench(args: argparse.Namespace) -> int:
+    """``--server``: the HTTP bench, which loads no model here; flags of the offline bench are refused."""
+    from specgraft.infer.bench_server import server_bench_main
+
+    offline = [flag for flag, given in (("--target", args.target), ("--tree", args.tree), ("--method", args.method),
+                                        ("--sweep", args.sweep)) if given]
+    if offline:
+        raise ValueError(f"{', '.join(offline)} apply to the offline bench, not to --server")
+    if len(args.drafter) > 1:
+        raise ValueError(f"--server takes one --drafter (a name the server loaded), got {args.drafter}")
+    args.server_drafter = args.drafter[0] if args.drafter else "auto"
+    return server_bench_main(args)
+

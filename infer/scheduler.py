@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from specgraft.infer.stopping import StopRule
 from specgraft.tree import batched_tree_inputs
@@ -31,6 +31,7 @@ from specgraft.target import TREE_SLOTS
 if TYPE_CHECKING:
     from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator
 
+T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
@@ -79,6 +80,7 @@ class Scheduler:
         self.queued: OrderedDict[int, _Sequence] = OrderedDict()
         self.running: OrderedDict[int, _Sequence] = OrderedDict()
         self.done: dict[int, GenerationOutput] = {}
+        self.failed: dict[int, Exception] = {}  # a row whose step raised: only that generation fails
         self._next_handle = 0
 
     def submit(self, prompt: Prompt, max_new_tokens: int = 128, **options: Any) -> int:
@@ -99,7 +101,10 @@ class Scheduler:
 
         Returns the tokens each generation committed in this step (a newly
         admitted one: its first token, from its prefill, and its first
-        step's). Finished generations leave the batch within the step.
+        step's). Finished generations leave the batch within the step. A
+        generation whose own work raises (a drafter failing on its input, a
+        refused option found late) leaves too, and `result` re-raises its
+        error: one generation's fault never stops the others.
         """
         committed: dict[int, list[int]] = {}
         while self.queued and len(self.running) < self.max_batch_size:
@@ -107,14 +112,18 @@ class Scheduler:
             if self.cache is not None:
                 seq.row, seq.decoding.cache = self.cache.acquire()
             self.running[handle] = seq
-            committed[handle] = self._keep(seq, seq.decoding.advance(seq.rule))  # prefill: the first token
+            kept = self._isolated(handle, lambda: seq.decoding.advance(seq.rule))  # prefill: the first token
+            if kept is not None:
+                committed[handle] = self._keep(seq, kept)
         live = [(h, seq) for h, seq in self.running.items() if not seq.rule.done]
         if self.cache is not None and live:
             for handle, kept in self._verify_together(live).items():
                 committed[handle] = committed.get(handle, []) + kept
         else:
             for handle, seq in live:
-                committed[handle] = committed.get(handle, []) + self._keep(seq, seq.decoding.advance(seq.rule))
+                kept = self._isolated(handle, lambda: seq.decoding.advance(seq.rule))
+                if kept is not None:
+                    committed[handle] = committed.get(handle, []) + self._keep(seq, kept)
         for handle, seq in list(self.running.items()):
             if seq.rule.done:
                 self._leave(handle)
@@ -125,11 +134,14 @@ class Scheduler:
         """One speculative step for every live row: each drafts its tree, one forward verifies them all."""
         target = self.generator.target
         trees, prefixes = {}, {}
-        for _, seq in live:
-            decoding = seq.decoding
-            decoding.recorder.begin_step()
-            prefixes[seq.row] = len(decoding.cache)
-            trees[seq.row] = decoding.propose(seq.rule.remaining() - 1)
+        for handle, seq in live:
+            seq.decoding.recorder.begin_step()
+            tree = self._isolated(handle, lambda: seq.decoding.propose(seq.rule.remaining() - 1))
+            if tree is not None:
+                prefixes[seq.row], trees[seq.row] = len(seq.decoding.cache), tree
+        live = [(h, seq) for h, seq in live if h in self.running]
+        if not live:
+            return {}
         batch = max(trees) + 1  # rows 0..batch-1 run; free rows among them are padding only
         tokens, positions, mask = batched_tree_inputs(
             [trees.get(r) for r in range(batch)], [prefixes.get(r, 0) for r in range(batch)], target.dtype
@@ -139,9 +151,24 @@ class Scheduler:
         for handle, seq in live:
             row, n = seq.row, trees[seq.row].num_nodes
             hidden = {i: h[row, :n] for i, h in out.hidden.items()}
-            result = seq.decoding.commit(trees[row], prefixes[row], out.logits[row, :n], hidden)
-            kept[handle] = self._keep(seq, seq.decoding.record(seq.rule, result))
+
+            def finish(seq=seq, row=row, n=n, hidden=hidden) -> list[int]:
+                result = seq.decoding.commit(trees[row], prefixes[row], out.logits[row, :n], hidden)
+                return seq.decoding.record(seq.rule, result)
+
+            tokens = self._isolated(handle, finish)
+            if tokens is not None:
+                kept[handle] = self._keep(seq, tokens)
         return kept
+
+    def _isolated(self, handle: int, work: Callable[[], T]) -> T | None:
+        """Run one generation's own work; if it raises, that generation alone fails and leaves (None)."""
+        try:
+            return work()
+        except Exception as err:  # any error of this row's own work: isolate it, keep serving the others
+            self._leave(handle)
+            self.failed[handle] = err
+            return None
 
     @staticmethod
     def _keep(seq: _Sequence, tokens: list[int]) -> list[int]:
@@ -156,13 +183,19 @@ class Scheduler:
             seq.row = None
 
     def finished(self, handle: int) -> bool:
-        """Whether the generation has finished (its result is waiting). Unknown handles raise KeyError."""
+        """Whether the generation has finished or failed (its result is waiting). Unknown handles raise KeyError."""
         self._check(handle)
-        return handle in self.done
+        return handle in self.done or handle in self.failed
 
     def result(self, handle: int) -> GenerationOutput:
-        """The finished generation's output, handed over once (the handle is then forgotten)."""
+        """The finished generation's output, handed over once (the handle is then forgotten).
+
+        Raises:
+            Exception: the error a failed generation's step raised.
+        """
         self._check(handle)
+        if handle in self.failed:
+            raise self.failed.pop(handle)
         if handle not in self.done:
             raise ValueError(f"generation {handle} has not finished: step() until finished({handle})")
         return self.done.pop(handle)
@@ -172,14 +205,16 @@ class Scheduler:
         self._check(handle)
         if handle in self.running:
             self._leave(handle)
-        self.queued.pop(handle, None)
-        self.done.pop(handle, None)
+        for table in (self.queued, self.done, self.failed):
+            table.pop(handle, None)
 
     def tokens(self, handle: int) -> list[int]:
         """The tokens a queued or running generation has kept so far."""
         self._check(handle)
         seq = self.queued.get(handle) or self.running.get(handle)
-        return list(seq.token_ids) if seq is not None else list(self.done[handle].token_ids)
+        if seq is not None:
+            return list(seq.token_ids)
+        return list(self.done[handle].token_ids) if handle in self.done else []
 
     @property
     def idle(self) -> bool:
@@ -187,7 +222,7 @@ class Scheduler:
         return not self.queued and not self.running
 
     def _check(self, handle: int) -> None:
-        if handle not in self.queued and handle not in self.running and handle not in self.done:
+        if not any(handle in table for table in (self.queued, self.running, self.done, self.failed)):
             raise KeyError(f"unknown generation handle {handle!r} (never submitted, cancelled, or its result was taken)")
 
     def _output(self, seq: _Sequence) -> GenerationOutput:

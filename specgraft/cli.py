@@ -286,6 +286,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
                     _module_flags("specgraft.heads.import_head", "add_import_arguments", "import_main")),
     "bench": ("benchmark drafters and trees against baselines in one interleaved run",
               _module_flags("specgraft.infer.bench", "add_bench_arguments", "bench_main")),
+    "serve": ("an OpenAI-compatible server with continuous batching",
+              _module_flags("specgraft.infer.server", "add_serve_arguments", "serve_main")),
 }
 
 

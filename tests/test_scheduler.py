@@ -268,3 +268,76 @@ def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, 
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"
+
+
+class _FailsOn(sg.PromptLookup):
+    """Prompt lookup that raises on prompts holding one token: a drafter failing on one generation's input."""
+
+    def __init__(self, token: int) -> None:
+        super().__init__()
+        self.token = token
+
+    def start(self, prompt_ids, hidden):
+        if self.token in prompt_ids.tolist():
+            raise RuntimeError("drafter failed")
+        return super().start(prompt_ids, hidden)
+
+
+def test_a_failing_generation_leaves_alone_and_result_raises_its_error(stories, prompts):
+    gen = sg.SpeculativeGenerator(stories, _FailsOn(511), tree=sg.Chain(4))
+    sched = gen.scheduler(max_batch_size=4)
+    good = sched.submit(prompts[0], max_new_tokens=12, eos_token_id=())
+    bad = sched.submit([1, 403, 511], max_new_tokens=12, eos_token_id=())
+    while not (sched.finished(good) and sched.finished(bad)):
+        sched.step()
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        sched.result(bad)
+    assert sched.result(good).token_ids == gen.generate(prompts[0], max_new_tokens=12, eos_token_id=()).token_ids
+    assert sched.idle
+
+
+class _ProposeFailsOnce:
+    """Prompt lookup whose state raises in its second proposal: a drafter failing mid-generation."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, fail_prompt_token: int) -> None:
+        self.inner, self.token = sg.PromptLookup(), fail_prompt_token
+
+    def start(self, prompt_ids, hidden):
+        state = self.inner.start(prompt_ids, hidden)
+        if self.token not in prompt_ids.tolist():
+            return state
+        calls = []
+
+        class Failing:
+            def propose(self, *args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("drafter failed mid-way")
+                return state.propose(*args, **kwargs)
+
+            def commit(self, tokens, hidden):
+                state.commit(tokens, hidden)
+
+            def cache_tokens(self):
+                return 0
+
+        return Failing()
+
+
+def test_a_generation_failing_in_a_batched_step_frees_its_row_and_the_batch_goes_on(stories, prompts):
+    gen = sg.SpeculativeGenerator(stories, _ProposeFailsOnce(511), tree=sg.Chain(4))
+    sched = gen.scheduler(max_batch_size=3)
+    a = sched.submit(prompts[0], max_new_tokens=20, eos_token_id=())
+    bad = sched.submit([1, 403, 511], max_new_tokens=20, eos_token_id=())
+    c = sched.submit(prompts[1], max_new_tokens=20, eos_token_id=())
+    sched.step()
+    sched.step()  # the bad row's second proposal raises inside the batched step
+    assert sched.finished(bad) and sched.cache.views[1] is None
+    with pytest.raises(RuntimeError, match="mid-way"):
+        sched.result(bad)
+    while not (sched.finished(a) and sched.finished(c)):
+        sched.step()
+    for h, prompt in ((a, prompts[0]), (c, prompts[1])):
+        assert sched.result(h).token_ids == gen.generate(prompt, max_new_tokens=20, eos_token_id=()).token_ids

@@ -1,0 +1,164 @@
+"""The offline bench's methods: our engine, and transformers' generate timed the way we time ourselves.
+
+A `Runner` is one benchmarked method; `baseline_runner` builds the baselines
+``--baselines`` names (plain decoding, HF greedy, HF prompt lookup, HF
+assisted generation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from specgraft.heads.base import Drafter
+from specgraft.infer.generator import SpeculativeGenerator
+from specgraft.infer.stats import GenerationStats, percentile
+from specgraft.target import Target, load_model
+from specgraft.tree import TreePolicy
+
+STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))
+# What a streamer can see of HF generate: chunk sizes and their times. Not draft tokens, not the KV cache.
+HF_NOT_MEASURED = ("draft_tokens_per_token", "kv_cache_tokens_peak")
+BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
+# HF prompt lookup: tokens copied per match. 10 is the value in transformers' docs and the PLD paper's repo.
+HF_PLD_NUM_TOKENS = 10
+# Neutral values for the generation_config fields that change greedy output, so a model's shipped
+# defaults (e.g. repetition_penalty=1.05 in some instruct models) cannot make HF differ from plain argmax.
+HF_GREEDY = dict(do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=0)
+
+
+@dataclass
+class Runner:
+    """One benchmarked method: greedy ``generate(prompt_ids, max_new_tokens) -> (new token ids, stats dict)``.
+
+    ``measured`` names the stats keys the method really measures; the others are None.
+    """
+
+    name: str
+    generate: Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
+    source: str = "specgraft"
+    measured: tuple[str, ...] = STATS_KEYS
+
+
+def engine_runner(name: str, target: Target, drafter: Drafter | None, tree: TreePolicy | None) -> Runner:
+    """Our engine with a drafter (None: plain decoding, one target call per token)."""
+    gen = SpeculativeGenerator(target, drafter, tree=tree)
+
+    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        return out.token_ids, out.stats.to_dict()
+
+    return Runner(name, generate)
+
+
+class ChunkClock(BaseStreamer):
+    """A `generate` streamer that stamps each chunk of new tokens, to measure HF the way we measure ourselves.
+
+    transformers streams the prompt once, then the tokens of each target
+    forward as one chunk (one token for greedy search, accepted drafts plus
+    one for assisted decoding), so chunk sizes are tokens per target call.
+    Cost: one clock read and one append per chunk.
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.prompt_seen = False
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+        self.sizes.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+    def stats(self, new_tokens: int) -> dict[str, Any]:
+        """GenerationStats keys by our definitions; the first chunk is HF's prefill call."""
+        if not self.sizes:
+            return {**GenerationStats(new_tokens=new_tokens).to_dict(), **dict.fromkeys(HF_NOT_MEASURED)}
+        after = self.sizes[1:]  # tokens of each target call after the prefill call
+        histogram = [0] * max(after, default=0)
+        for n in after:
+            histogram[n - 1] += 1
+        latencies: list[float] = []
+        for i, n in enumerate(after, start=1):
+            latencies.extend([(self.times[i] - self.times[i - 1]) / n] * n)
+        latencies = sorted(latencies) or [0.0]
+        decode_time = self.times[-1] - self.times[0]
+        return {
+            "new_tokens": new_tokens,
+            "target_calls": len(after),
+            "mean_accepted_length": sum(after) / len(after) if after else 0.0,
+            "accept_length_histogram": histogram,
+            "draft_tokens_per_token": None,
+            "ttft_s": self.times[0] - self.start,
+            "tokens_per_s": sum(after) / decode_time if decode_time > 0 else 0.0,
+            "itl_p50_s": percentile(latencies, 0.5),
+            "itl_p99_s": percentile(latencies, 0.99),
+            "kv_cache_tokens_peak": None,
+            "lossless": True,
+        }
+
+
+def hf_runner(name: str, target: Target, **generate_options: Any) -> Runner:
+    """transformers' ``generate`` on the target's model, greedy, timed by a `ChunkClock`."""
+    model = target.model
+    pad = model.generation_config.pad_token_id
+    if pad is None and target.eos_token_ids:
+        generate_options.setdefault("pad_token_id", target.eos_token_ids[0])  # silences HF's per-call warning
+
+    @torch.inference_mode()
+    def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        input_ids = torch.tensor([ids], device=target.device)
+        clock = ChunkClock()
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            streamer=clock, **HF_GREEDY, **generate_options,
+        )
+        tokens = out[0, len(ids):].tolist()
+        return tokens, clock.stats(len(tokens))
+
+    measured = tuple(k for k in STATS_KEYS if k not in HF_NOT_MEASURED)
+    return Runner(name, generate, source="transformers", measured=measured)
+
+
+def parse_baseline(spec: str) -> tuple[str, str | None]:
+    """(kind, assistant path) of one ``--baselines`` entry; errors name the entry and the choices."""
+    kind, sep, arg = spec.strip().partition(":")
+    if kind == "hf-assisted":
+        if not arg:
+            raise ValueError(f"baseline {spec!r}: hf-assisted needs a model directory, as 'hf-assisted:PATH'")
+        if not Path(arg).expanduser().is_dir():
+            raise FileNotFoundError(f"baseline {spec!r}: assistant model directory {arg!r} does not exist")
+        return kind, arg
+    if kind in ("plain", "hf", "hf-pld") and not sep:
+        return kind, None
+    raise ValueError(f"unknown baseline {spec!r}: choose from {', '.join(BASELINE_KINDS)}")
+
+
+def baseline_runner(spec: str, target: Target) -> Runner:
+    """The runner of one baseline spec (see `parse_baseline`); the assistant model loads here."""
+    kind, path = parse_baseline(spec)
+    if kind == "plain":
+        return engine_runner("plain", target, None, None)
+    if kind == "hf":
+        return hf_runner("hf", target)
+    if kind == "hf-pld":
+        return hf_runner("hf-pld", target, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS)
+    assistant = load_model(path, dtype=target.dtype, device=target.device, role="assistant model")
+    if assistant.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"baseline {spec!r}: the assistant's vocabulary ({assistant.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); HF assisted generation is benchmarked with a shared tokenizer only"
+        )
+    return hf_runner(f"hf-assisted:{Path(path).name}", target, assistant_model=assistant.model)

@@ -1,0 +1,241 @@
+"""`specgraft bench --server URL`: a running server driven by the `openai` client at several concurrency levels.
+
+    specgraft serve --target ../shared/models/stories260K --max-batch-size 64 &
+    specgraft bench --server http://127.0.0.1:8000 --concurrency 1,4,16,64 \
+        --prompts ../shared/data/story_prompts_dev.jsonl --out /tmp/bench-server
+
+Each level runs every prompt as a streaming greedy request, ``concurrency``
+in flight at once, twice: speculation on (the request's ``speculative``
+field names the drafter) and off (``{"drafter": "none"}``); the order of the
+two alternates from level to level so neither always runs first. Latency and
+throughput are measured apart, as DESIGN.md asks:
+
+- TTFT: request sent -> first chunk with tokens (queueing and prefill included).
+- ITL: the gap between two chunks / the tokens of the later chunk (a step's
+  tokens arrive together), pooled over a level's requests.
+- per-request tokens/s: completion tokens / the request's wall time (median).
+- total tokens/s: all completion tokens of the level / the level's wall time.
+
+Greedy outputs with speculation on must equal those with it off (lossless);
+a difference is listed and makes the command return 1. Writes
+``results.json``, ``results.md`` and two plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from specgraft.infer.prompts import read_prompt_file
+from specgraft.infer.stats import percentile
+
+MODES = ("off", "on")
+REQUEST_TIMEOUT_S = 600.0
+SERVER_PLOTS = ("server_tokens_per_s.png", "server_latency.png")
+
+
+@dataclass
+class RequestTiming:
+    """One streamed request: when it started, when each chunk with tokens arrived and how many it held."""
+
+    start: float
+    text: str = ""
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end: float = 0.0
+    completion_tokens: int = 0
+    stats: dict[str, Any] | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start if self.chunk_times else self.end - self.start
+
+    def itl(self) -> list[float]:
+        gaps = []
+        for i in range(1, len(self.chunk_times)):
+            n = self.chunk_tokens[i]
+            gaps += [(self.chunk_times[i] - self.chunk_times[i - 1]) / n] * n
+        return gaps
+
+
+def parse_concurrency(spec: str) -> list[int]:
+    """``"1,4,16,64"`` -> [1, 4, 16, 64]; each a positive integer."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--concurrency {spec!r}: expected positive integers separated by commas, e.g. 1,4,16,64")
+    return [int(p) for p in parts]
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, speculative: dict[str, Any]) -> RequestTiming:
+    timing = RequestTiming(start=time.perf_counter())
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"speculative": speculative, "return_token_ids": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        for choice in chunk.choices:
+            tokens = len(getattr(choice, "token_ids", None) or [])
+            timing.text += choice.text
+            if tokens:
+                timing.chunk_times.append(now)
+                timing.chunk_tokens.append(tokens)
+        extra = chunk.model_extra or {}
+        timing.stats = extra.get("speculative_stats") or timing.stats
+        if chunk.usage is not None:
+            timing.completion_tokens = chunk.usage.completion_tokens
+    timing.end = time.perf_counter()
+    return timing
+
+
+async def run_level(client, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
+                    speculative: dict[str, Any]) -> tuple[list[RequestTiming], float]:
+    """Every prompt once, ``concurrency`` requests in flight at a time; (timings in prompt order, wall seconds)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: str) -> RequestTiming:
+        async with gate:
+            return await one_request(client, model, prompt, max_tokens, speculative)
+
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(gated(p) for p in prompts))
+    return list(timings), time.perf_counter() - start
+
+
+def summarize(timings: Sequence[RequestTiming], wall_s: float) -> dict[str, Any]:
+    """A level's latency and throughput figures (see the module docstring for each clock)."""
+    ttft = sorted(t.ttft for t in timings)
+    itl = sorted(x for t in timings for x in t.itl()) or [0.0]
+    tokens = sum(t.completion_tokens for t in timings)
+    per_request = [t.completion_tokens / (t.end - t.start) for t in timings if t.end > t.start]
+    calls = sum((t.stats or {}).get("target_calls", 0) for t in timings)
+    return {
+        "requests": len(timings),
+        "completion_tokens": tokens,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "itl_p50_s": percentile(itl, 0.5),
+        "itl_p99_s": percentile(itl, 0.99),
+        "request_tokens_per_s": statistics.median(per_request) if per_request else 0.0,
+        "total_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_target_call": tokens / calls if calls else None,
+        "wall_s": wall_s,
+    }
+
+
+async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], *, max_tokens: int, drafter: str,
+                       api_key: str = "none", progress: bool = False) -> dict[str, Any]:
+    """Every level with speculation on and off; the results dict written by `write_server_results`."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
+                                timeout=REQUEST_TIMEOUT_S)
+    model = (await client.models.list()).data[0].id
+    speculative = {"on": {"drafter": drafter}, "off": {"drafter": "none"}}
+    for mode in MODES:  # warm-up: one untimed request each way
+        await one_request(client, model, prompts[0], max_tokens, speculative[mode])
+    rows, mismatches = [], []
+    for i, level in enumerate(levels):
+        texts: dict[str, list[str]] = {}
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            timings, wall = await run_level(client, model, prompts, level, max_tokens, speculative[mode])
+            texts[mode] = [t.text for t in timings]
+            rows.append({"concurrency": level, "speculative": mode, **summarize(timings, wall)})
+            if progress:
+                r = rows[-1]
+                print(f"concurrency {level:3d} speculative {mode:3s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
+                      f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
+        mismatches += [{"concurrency": level, "prompt": n} for n, (a, b) in enumerate(zip(texts["on"], texts["off"])) if a != b]
+    await client.close()
+    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["speculative"])))
+    return {
+        "settings": {"server": url, "model": model, "drafter": drafter, "prompts": len(prompts), "max_tokens": max_tokens,
+                     "concurrency": list(levels), "decoding": "greedy, streamed",
+                     "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
+                     "request_tokens_per_s": "median over requests of completion tokens / request wall time",
+                     "total_tokens_per_s": "completion tokens of the level / level wall time"},
+        "levels": rows,
+        "greedy_identical": not mismatches,
+        "mismatches": mismatches,
+    }
+
+
+def server_markdown(results: Mapping[str, Any]) -> str:
+    s = results["settings"]
+    lines = [
+        f"# specgraft bench --server: {s['model']}",
+        "",
+        f"{s['prompts']} prompts, {s['max_tokens']} tokens each, greedy, streamed; speculative on = drafter "
+        f"`{s['drafter']}`, off = `none`. Outputs identical on and off: "
+        + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} differ)."),
+        "",
+        "| concurrency | speculative | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req tok/s | total tok/s | tok/call |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["levels"]:
+        per_call = "-" if r["tokens_per_target_call"] is None else f"{r['tokens_per_target_call']:.2f}"
+        lines.append(
+            f"| {r['concurrency']} | {r['speculative']} | {r['ttft_p50_s'] * 1e3:.1f} | {r['ttft_p99_s'] * 1e3:.1f} | "
+            f"{r['itl_p50_s'] * 1e3:.2f} | {r['itl_p99_s'] * 1e3:.2f} | {r['request_tokens_per_s']:.1f} | "
+            f"{r['total_tokens_per_s']:.1f} | {per_call} |"
+        )
+    lines += ["", "tok/call: completion tokens per target forward, prefill included.", ""]
+    return "\n".join(lines)
+
+
+def write_server_results(results: Mapping[str, Any], out_dir: str | Path) -> Path:
+    """results.json, results.md and the two plots into ``out_dir`` (created)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    from matplotlib import pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(server_markdown(results))
+    figures = [plt.subplots(figsize=(6, 4.5)) for _ in SERVER_PLOTS]
+    for mode in MODES:
+        rows = [r for r in results["levels"] if r["speculative"] == mode]
+        levels = [r["concurrency"] for r in rows]
+        figures[0][1].plot(levels, [r["total_tokens_per_s"] for r in rows], marker="o", label=f"total, speculative {mode}")
+        figures[0][1].plot(levels, [r["request_tokens_per_s"] for r in rows], marker="x", linestyle="--",
+                           label=f"per request, speculative {mode}")
+        figures[1][1].plot(levels, [r["ttft_p50_s"] * 1e3 for r in rows], marker="o", label=f"TTFT p50, {mode}")
+        figures[1][1].plot(levels, [r["itl_p50_s"] * 1e3 for r in rows], marker="x", linestyle="--", label=f"ITL p50, {mode}")
+    figures[0][1].set(xscale="log", xlabel="concurrent requests", ylabel="tokens/s", title="Throughput")
+    figures[1][1].set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms", title="Latency")
+    for (fig, ax), name in zip(figures, SERVER_PLOTS):
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+    return out
+
+
+def server_bench_main(args: argparse.Namespace) -> int:
+    """``specgraft bench --server``: 0, or 1 when speculation changed some greedy output."""
+    levels = parse_concurrency(args.concurrency)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = [p.text for p in read_prompt_file(args.prompts, args.limit)]
+    results = asyncio.run(bench_server(
+        args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
+        api_key=args.api_key or "none", progress=True,
+    ))
+    results["settings"]["prompts_file"] = str(args.prompts)
+    write_server_results(results, args.out)
+    print(json.dumps(results, indent=2) if args.json else server_markdown(results))
+    print(f"wrote results.json, results.md and {len(SERVER_PLOTS)} plots to {args.out}", file=sys.stderr)
+    if not results["greedy_identical"]:
+        print(f"specgraft bench: {len(results['mismatches'])} outputs differ with speculation on; see results.json",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,528 @@
+"""`specgraft serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+
+    specgraft serve --target ../shared/models/stories260K --drafter eagle=runs/eagle/head \
+        --default-drafter prompt-lookup --max-batch-size 16 --port 8000
+
+A thin layer (FastAPI + uvicorn, as vLLM's server): it parses OpenAI's
+requests, picks each request's drafter from its ``speculative`` field, hands
+the generation to the `Engine` thread and streams the tokens back as text. It
+never decodes by itself. Routes: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from specgraft.heads import PromptLookup, drafter_from_spec, load_drafter
+from specgraft.heads.base import Drafter
+from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
+from specgraft.infer.openai_protocol import (
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TREE_NODES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Speculative,
+    TextStream,
+    engine_options,
+    error_body,
+    finish_reason,
+    new_id,
+    now,
+    refused_options,
+    stop_strings,
+)
+from specgraft.infer.serve_metrics import Metrics
+from specgraft.infer.stats import GenerationStats
+from specgraft.target import Target
+from specgraft.tree import Chain, StaticTree, TreePolicy, parse_tree_spec
+from specgraft.tree.policies import tree_from_spec
+
+PROMPT_LOOKUP = "prompt-lookup"
+RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
+DISCONNECT_POLL_S = 0.5  # how often a request that has no token yet checks that its client is still there
+
+
+class HTTPError(Exception):
+    """A request the server answers with an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the target, the loaded drafters, the engine and the metrics."""
+
+    target: Target
+    drafters: dict[str, Drafter | None]
+    default_drafter: str
+    default_tree: TreePolicy
+    model_name: str
+    engine: Engine
+    metrics: Metrics
+    api_key: str | None = None
+    prompt_lookups: dict[int, PromptLookup] = field(default_factory=dict)  # one per num_speculative_tokens
+
+    def resolve(self, spec: Speculative | None) -> tuple[Config, Drafter | None, TreePolicy]:
+        """The drafter and tree a request's ``speculative`` field picks; errors name what is available."""
+        spec = spec or Speculative()
+        name = self.default_drafter if spec.drafter == "auto" else spec.drafter
+        if name not in self.drafters:
+            raise HTTPError(400, f"unknown drafter {spec.drafter!r}: available are {', '.join(self.available())}",
+                            param="speculative.drafter")
+        if spec.num_speculative_tokens is not None and spec.tree is not None:
+            raise HTTPError(400, "give speculative.num_speculative_tokens or speculative.tree, not both",
+                            param="speculative")
+        drafter = self.drafters[name]
+        if drafter is None:
+            return Config("none", "none"), None, self.default_tree
+        tree = self.default_tree
+        if spec.num_speculative_tokens is not None:
+            tree = Chain(depth=spec.num_speculative_tokens)
+        elif spec.tree is not None:
+            tree = request_tree(spec.tree)
+        if isinstance(drafter, PromptLookup):  # copies tokens, ignores trees: K is how many it copies
+            k = spec.num_speculative_tokens
+            if k is None:
+                return Config(name, "default"), drafter, tree
+            drafter = self.prompt_lookups.setdefault(k, PromptLookup(num_tokens=k))
+            return Config(name, f"num_tokens={k}"), drafter, tree
+        return Config(name, repr(tree)), drafter, tree
+
+    def available(self) -> list[str]:
+        return ["auto", *self.drafters]
+
+
+def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
+    """A tree from a request: ``chain:K``, ``dynamic:TOP_K,DEPTH,BUDGET``, static paths, or a spec object.
+
+    Never a file: a request must not make the server read its disk.
+    """
+    try:
+        if isinstance(spec, str):
+            if not spec.startswith(("chain:", "dynamic:")):
+                raise ValueError(f"tree {spec!r}: a request takes 'chain:K', 'dynamic:TOP_K,DEPTH,BUDGET', "
+                                 "a list of paths or a tree spec object (never a file)")
+            tree = parse_tree_spec(spec)
+        elif isinstance(spec, list):
+            tree = StaticTree(spec)
+        else:
+            tree = tree_from_spec(spec, where="speculative.tree")
+    except (ValueError, TypeError, KeyError) as err:
+        raise HTTPError(400, str(err), param="speculative.tree") from None
+    if isinstance(tree, StaticTree):
+        depth, nodes = tree.max_depth, len(tree.choices)
+    else:  # a chain (depth nodes) or a dynamic tree (budget nodes)
+        depth = tree.depth
+        nodes = getattr(tree, "budget", depth)
+    nodes = max(nodes, getattr(tree, "top_k", 0))  # a dynamic tree scores top_k children of every node it grows
+    if depth > MAX_SPECULATIVE_TOKENS or nodes > MAX_TREE_NODES:
+        raise HTTPError(400, f"tree {spec!r} is too large: depth {depth} (at most {MAX_SPECULATIVE_TOKENS}), "
+                        f"{nodes} nodes (at most {MAX_TREE_NODES})", param="speculative.tree")
+    return tree
+
+
+def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+    """The target's chat template applied to the messages, ready for the assistant's turn.
+
+    A target without a template (a base model such as stories260K) gets the
+    messages' texts joined by newlines, encoded as plain text.
+    """
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise HTTPError(400, f"target {target.name!r} has no tokenizer: chat needs one")
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+    return target.encode("\n".join(m["content"] for m in messages))
+
+
+def completion_prompt_ids(target: Target, prompt: str | list) -> list[int]:
+    """One prompt's token ids: a string, a list of token ids, or a one-item list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        raise HTTPError(400, f"prompt holds {len(prompt)} prompts: one prompt per request", param="prompt")
+    if not prompt:
+        raise HTTPError(400, "prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        if target.tokenizer is None:
+            raise HTTPError(400, f"target {target.name!r} has no tokenizer: send token ids", param="prompt")
+        ids = target.encode(prompt)
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise HTTPError(400, "prompt is empty: it has no tokens", param="prompt")
+    if not all(0 <= t < target.vocab_size for t in ids):
+        raise HTTPError(400, f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def create_app(
+    target: Target,
+    drafters: dict[str, Drafter | None],
+    *,
+    default_drafter: str = PROMPT_LOOKUP,
+    default_tree: TreePolicy | None = None,
+    model_name: str | None = None,
+    max_batch_size: int = 16,
+    max_queue: int = 256,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine thread and stops it (failing what is left) at shutdown.
+
+    Args:
+        drafters: name -> loaded drafter; ``none`` and ``prompt-lookup`` are added when absent.
+        default_drafter: the drafter of requests without ``speculative`` (and of ``"auto"``).
+    """
+    drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
+    if default_drafter not in drafters:
+        raise ValueError(f"--default-drafter {default_drafter!r} is not loaded: choose from {', '.join(drafters)}")
+    metrics = Metrics()
+    engine = Engine(target, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
+    state = ServerState(
+        target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree or Chain(depth=5),
+        model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="specgraft", lifespan=lifespan)
+    app.state.specgraft = state
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, err: HTTPError) -> JSONResponse:
+        return error_response(state, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid" or not param:
+            why = first.get("ctx", {}).get("error", first["msg"])
+            return error_response(state, HTTPError(400, f"malformed JSON body (expected a JSON object): {why}"))
+        return error_response(state, HTTPError(400, f"{param or 'body'}: {first['msg']}", param=param or None))
+
+    async def check_api_key(request: Request) -> None:
+        """A dependency of the /v1/ routes (a middleware would wrap ``receive`` and hide client disconnects)."""
+        if state.api_key:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                raise HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    keyed = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.crashed is not None or not engine.thread.is_alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=keyed)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": now(), "owned_by": "specgraft",
+            "max_model_len": target.max_context, "drafters": state.available(), "default_drafter": state.default_drafter,
+        }]}
+
+    @app.post("/v1/completions", dependencies=keyed)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ids = completion_prompt_ids(target, body.prompt)
+        return await serve(state, request, body, ids, body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=keyed)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if not body.messages:
+            raise HTTPError(400, "messages is empty", param="messages")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as err:
+            raise HTTPError(400, str(err), param="messages") from None
+        ids = chat_prompt_ids(target, messages)
+        budget = body.max_completion_tokens or body.max_tokens
+        if budget is None:  # as vLLM: the rest of the context
+            budget = target.max_context - len(ids)
+            if budget < 1:
+                raise HTTPError(400, f"prompt ({len(ids)} tokens) fills the target's context of {target.max_context} tokens",
+                                param="messages")
+        return await serve(state, request, body, ids, budget, chat=True)
+
+    return app
+
+
+def error_response(state: ServerState, err: HTTPError) -> JSONResponse:
+    state.metrics.requests.labels(str(err.status)).inc()
+    kind = err.kind if err.status < 500 else "server_error"
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(error_body(err.message, kind=kind, param=err.param, code=err.code), status_code=err.status,
+                        headers=headers)
+
+
+@dataclass
+class Reply:
+    """What one request needs while its tokens arrive."""
+
+    job: Job
+    chat: bool
+    id: str
+    created: int
+    prompt_tokens: int
+    text: TextStream
+    token_ids: bool  # return token ids with the text (vLLM's return_token_ids)
+    tokens: list[int] = field(default_factory=list)
+
+
+async def serve(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                prompt_ids: list[int], max_tokens: int, *, chat: bool) -> Response:
+    """Validate, submit, wait for the first event (so a refused option is still a 4xx), then answer."""
+    if body.model is not None and body.model != state.model_name:
+        raise HTTPError(404, f"model {body.model!r} does not exist: this server serves {state.model_name!r}",
+                        param="model", code="model_not_found")
+    why = refused_options(body)
+    if why:
+        raise HTTPError(400, why)
+    config, drafter, tree = state.resolve(body.speculative)
+    loop = asyncio.get_running_loop()
+    job = Job(config=config, drafter=drafter, tree=tree, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
+              options=engine_options(body), loop=loop)
+    try:
+        state.engine.submit(job)
+    except QueueFull as err:
+        raise HTTPError(503, f"server busy: {err}; retry after {RETRY_AFTER_S}s", code="server_busy") from None
+    reply = Reply(job, chat, new_id("chatcmpl" if chat else "cmpl"), now(), len(prompt_ids),
+                  TextStream(state.target.decode, stop_strings(body)), body.return_token_ids)
+    first = await first_event(state, request, job)
+    if first is None:
+        return Response(status_code=499)
+    if isinstance(first, Failed):
+        raise HTTPError(first.status, first.message)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(state, reply, first, max_tokens, include_usage), media_type="text/event-stream")
+    return await whole(state, request, reply, first, max_tokens)
+
+
+async def first_event(state: ServerState, request: Request, job: Job):
+    """The job's first event, or None when its client disconnected while it waited (the job is cancelled)."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.engine.cancel(job)
+                state.metrics.requests.labels("499").inc()
+                return None
+
+
+async def whole(state: ServerState, request: Request, reply: Reply, event, max_tokens: int) -> Response:
+    """A non-streaming answer: gather every token, then one JSON body.
+
+    The client is checked every ``DISCONNECT_POLL_S`` while tokens arrive too:
+    one that went away has its job cancelled rather than run to the end.
+    """
+    text = ""
+    checked = time.monotonic()
+    while not isinstance(event, (Finished, Failed)):
+        reply.tokens += event.token_ids
+        text += reply.text.add(event.token_ids)
+        if time.monotonic() - checked > DISCONNECT_POLL_S:
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                state.engine.cancel(reply.job)
+                state.metrics.requests.labels("499").inc()
+                return Response(status_code=499)
+        event = await first_event(state, request, reply.job)
+        if event is None:
+            return Response(status_code=499)
+    if isinstance(event, Failed):
+        raise HTTPError(event.status, event.message)
+    text += reply.text.finish()
+    reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+              if reply.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    if reply.token_ids:
+        choice["token_ids"] = reply.tokens
+    state.metrics.requests.labels("200").inc()
+    return JSONResponse({
+        "id": reply.id, "object": "chat.completion" if reply.chat else "text_completion", "created": reply.created,
+        "model": state.model_name, "choices": [choice], "usage": usage(reply),
+        "speculative_stats": speculative_stats(reply.job, event.stats),
+    })
+
+
+async def stream(state: ServerState, reply: Reply, event, max_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per step that released text, a last chunk with the finish reason and stats.
+
+    When the client goes away, Starlette stops this generator: ``finally``
+    cancels the job, and the engine frees its rows before its next step.
+    """
+    job = reply.job
+    try:
+        if reply.chat:
+            yield sse(chunk(state, reply, {"role": "assistant", "content": ""}, None))
+        while isinstance(event, Tokens):
+            reply.tokens += event.token_ids
+            delta = reply.text.add(event.token_ids)
+            if delta or reply.token_ids:
+                yield sse(chunk(state, reply, delta, None, event.token_ids))
+            event = await job.events.get()
+        if isinstance(event, Failed):  # the status line is sent already: report in the stream, as vLLM does
+            state.metrics.requests.labels(str(event.status)).inc()
+            yield sse(error_body(event.message, kind="server_error", code=event.status))
+            yield "data: [DONE]\n\n"
+            return
+        reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
+        last = chunk(state, reply, reply.text.finish(), reason)
+        last["speculative_stats"] = speculative_stats(job, event.stats)
+        yield sse(last)
+        if include_usage:
+            yield sse({**chunk(state, reply, "", None), "choices": [], "usage": usage(reply)})
+        yield "data: [DONE]\n\n"
+        state.metrics.requests.labels("200").inc()
+    finally:
+        if not job.ended:
+            state.engine.cancel(job)
+            state.metrics.requests.labels("499").inc()
+
+
+def chunk(state: ServerState, reply: Reply, delta: str | dict[str, str], reason: str | None,
+          token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One streamed chunk; ``token_ids`` (the step's tokens) when the request asked for them."""
+    if reply.chat:
+        content = delta if isinstance(delta, dict) else ({"content": delta} if delta or reason is None else {})
+        choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+        kind = "text_completion"
+    if reply.token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": reply.id, "object": kind, "created": reply.created, "model": state.model_name, "choices": [choice]}
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def usage(reply: Reply) -> dict[str, int]:
+    """Tokens, never forward passes: what the request generated, however many target calls it took."""
+    done = len(reply.tokens)
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": done, "total_tokens": reply.prompt_tokens + done}
+
+
+def speculative_stats(job: Job, stats: GenerationStats) -> dict[str, Any]:
+    """How the tokens were made. ``target_calls`` counts the prefill (it makes the first token), so plain
+    decoding has exactly one target call per token."""
+    return {
+        "drafter": job.config.drafter,
+        "tree": None if job.drafter is None or isinstance(job.drafter, PromptLookup) else job.config.tree_key,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "target_calls": stats.target_calls + 1,
+        "draft_tokens_per_token": stats.draft_tokens_per_token,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--target", required=True, help="target model directory or hub id")
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=HEAD_DIR",
+                        help="a drafter requests may pick by NAME (repeatable); 'none' and 'prompt-lookup' always exist")
+    parser.add_argument("--default-drafter", default=PROMPT_LOOKUP,
+                        help="drafter of requests without 'speculative' (a --drafter NAME, 'prompt-lookup' or 'none')")
+    parser.add_argument("--tree", default="chain:5", help="default tree: 'chain:K', 'static:FILE.json', 'dynamic:TOP_K,DEPTH,BUDGET'")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="most generations running at once")
+    parser.add_argument("--max-queue", type=int, default=256, help="most generations waiting; more get 503 + Retry-After")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for in-flight requests before aborting them")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    return parser
+
+
+def parse_drafter_flags(flags: list[str]) -> dict[str, str]:
+    """``NAME=HEAD_DIR`` flags -> {name: dir}; names are unique and not reserved, directories exist."""
+    named: dict[str, str] = {}
+    for flag in flags:
+        name, sep, path = flag.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafter {flag!r}: expected NAME=HEAD_DIR")
+        if name in ("none", "auto", PROMPT_LOOKUP) or name in named:
+            raise ValueError(f"--drafter {flag!r}: the name {name!r} is reserved or given twice")
+        if path != "self" and not Path(path).expanduser().is_dir():
+            raise FileNotFoundError(f"--drafter {flag!r}: directory {path!r} does not exist")
+        named[name] = path
+    return named
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
+    import torch
+    import uvicorn
+
+    import specgraft as sg
+
+    named = parse_drafter_flags(args.drafter)
+    tree = parse_tree_spec(args.tree)
+    if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
+        raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    drafters = {name: drafter_from_spec(path, target) if path == "self" else load_drafter(path, target)
+                for name, path in named.items()}
+    app = create_app(
+        target, drafters, default_drafter=args.default_drafter, default_tree=tree,
+        model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue, api_key=args.api_key,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn catches SIGTERM, stops accepting, drains in-flight requests (up to --shutdown-timeout), and then
+    # re-raises the signal for the handler it found. That handler is this one, so a drained server exits 0
+    # rather than dying by the signal's default action.
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: caught.append(sig))
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if caught:
+        print("specgraft serve: SIGTERM: stopped accepting, drained in-flight requests, exiting", file=sys.stderr)
+    return 0

@@ -1,0 +1,424 @@
+"""`specgraft serve` started for real on a free 127.0.0.1 port, spoken to with the official `openai` client.
+
+Every greedy answer must equal offline greedy decoding token for token, for
+each drafter; bad input gets its 4xx while the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+import specgraft as sg
+from specgraft.heads import build_head, load_drafter, save_head
+from specgraft.heads.configs import EagleConfig
+from specgraft.infer.server import chat_prompt_ids, create_app
+
+from conftest import STORIES, needs_shared
+from serve_helpers import Boom, ServerThread, metric
+
+openai = pytest.importorskip("openai")
+
+pytestmark = needs_shared
+
+MODEL = "stories260K"
+TOKENS = 24
+TIMEOUT_S = 60.0
+BOOM_TOKEN = 511  # a token id no dev prompt holds: the Boom drafter fails on prompts with it
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(stories, tmp_path_factory):
+    """A tiny EAGLE head with random weights: drafts badly, yet greedy output stays the target's (lossless)."""
+    out = tmp_path_factory.mktemp("eagle")
+    save_head(build_head(EagleConfig(), stories), out, stories)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(eagle_dir):
+    """A server with its own target (the test's offline target never shares a thread with it)."""
+    target = sg.load_target(STORIES)
+    drafters = {"eagle": load_drafter(eagle_dir, target), "boom": Boom(BOOM_TOKEN)}
+    app = create_app(target, drafters, model_name=MODEL, default_tree=sg.Chain(4), max_batch_size=16, max_queue=128)
+    running = ServerThread(app).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def plain(stories):
+    return sg.SpeculativeGenerator(stories, None)
+
+
+def spec(drafter: str) -> dict:
+    return {"speculative": {"drafter": drafter}, "return_token_ids": True}
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "eagle", "none"])
+def test_completion_equals_offline_greedy(client, plain, dev_prompts, drafter):
+    prompt = dev_prompts[0]
+    offline = plain.generate(prompt, max_new_tokens=TOKENS)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, extra_body=spec(drafter))
+    choice = out.choices[0]
+    assert choice.token_ids == offline.token_ids
+    assert choice.text == offline.text
+    assert out.usage.completion_tokens == len(offline.token_ids)
+    assert out.usage.prompt_tokens == len(plain.target.encode(prompt))
+    assert out.speculative_stats["drafter"] == drafter
+    if drafter == "none":
+        assert out.speculative_stats["target_calls"] == out.usage.completion_tokens
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "eagle", "none"])
+def test_streamed_completion_equals_offline_greedy(client, plain, dev_prompts, drafter):
+    prompt = dev_prompts[1]
+    offline = plain.generate(prompt, max_new_tokens=TOKENS)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=spec(drafter),
+    ))
+    tokens = [t for c in chunks for choice in c.choices for t in (getattr(choice, "token_ids", None) or [])]
+    assert tokens == offline.token_ids
+    assert "".join(choice.text for c in chunks for choice in c.choices) == offline.text
+    assert chunks[-1].usage.completion_tokens == len(offline.token_ids)
+    stats = chunks[-2].speculative_stats
+    assert stats["drafter"] == drafter and chunks[-2].choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "eagle"])
+def test_chat_equals_offline_greedy(client, plain, dev_prompts, drafter, stream):
+    messages = [{"role": "user", "content": dev_prompts[2]}]
+    offline = plain.generate(chat_prompt_ids(plain.target, messages), max_new_tokens=TOKENS)
+    kwargs = dict(model=MODEL, messages=messages, max_completion_tokens=TOKENS, temperature=0, extra_body=spec(drafter))
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        out = client.chat.completions.create(**kwargs)
+        text = out.choices[0].message.content
+        assert out.choices[0].token_ids == offline.token_ids
+    assert text == offline.text
+
+
+def test_no_speculation_gives_the_same_text_with_one_target_call_per_token(client, dev_prompts):
+    args = dict(model=MODEL, prompt=dev_prompts[3], max_tokens=TOKENS, temperature=0)
+    fast = client.completions.create(**args)  # the server default: prompt lookup
+    plain = client.completions.create(**args, extra_body={"speculative": {"drafter": "none"}})
+    assert plain.choices[0].text == fast.choices[0].text
+    assert plain.speculative_stats["target_calls"] == plain.usage.completion_tokens
+    k2 = client.completions.create(**args, extra_body={"speculative": {"drafter": "eagle", "num_speculative_tokens": 2}})
+    tree = client.completions.create(**args, extra_body={"speculative": {"drafter": "eagle", "tree": [[0], [1], [0, 0]]}})
+    assert k2.choices[0].text == tree.choices[0].text == fast.choices[0].text
+    assert k2.speculative_stats["tree"] == repr(sg.Chain(2))
+
+
+def test_sampling_options_reach_the_engine_as_offline_sampling_takes_them(client, stories, dev_prompts):
+    """A seeded sampled request equals the offline generation with the same drafter, tree and options."""
+    prompt = dev_prompts[7]
+    options = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7)
+    offline = sg.SpeculativeGenerator(stories, sg.PromptLookup(num_tokens=3), tree=sg.Chain(4)).generate(
+        prompt, max_new_tokens=TOKENS, **options)
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0.8, top_p=0.9, seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05, "return_token_ids": True,
+                    "speculative": {"drafter": "prompt-lookup", "num_speculative_tokens": 3}},
+    )
+    assert out.choices[0].token_ids == offline.token_ids
+
+
+def test_chat_prompt_uses_the_targets_template_when_it_has_one(stories):
+    import copy
+
+    tokenizer = copy.deepcopy(stories.tokenizer)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    messages = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "A dog."}]
+    ids = chat_prompt_ids(sg.Target(stories.model, tokenizer, "templated"), messages)
+    assert stories.decode(ids) == "system: Tell stories.\nuser: A dog.\nassistant:"
+    assert chat_prompt_ids(stories, messages) == stories.encode("Tell stories.\nA dog.")  # no template: texts joined
+
+
+def test_stop_strings_end_the_text_before_them(client, plain, dev_prompts):
+    prompt = dev_prompts[0]
+    full = plain.generate(prompt, max_new_tokens=TOKENS).text
+    stop = full.split()[3]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stop=[stop], stream=stream)
+        chunks = list(out) if stream else [out]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == full[: full.index(stop)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health", timeout=5).json() == {"status": "ok"}
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    for name in ("specgraft_requests_total", "specgraft_generated_tokens_total", "specgraft_target_calls_total",
+                 "specgraft_mean_accepted_length", "specgraft_running_sequences", "specgraft_queued_sequences",
+                 "specgraft_time_to_first_token_seconds_bucket", "specgraft_inter_token_latency_seconds_bucket"):
+        assert name in text
+
+
+def test_a_failing_drafter_fails_only_its_request(server, client, plain, dev_prompts):
+    bad = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "prompt": [1, 403, BOOM_TOKEN], "max_tokens": 8, "speculative": {"drafter": "boom"}})
+    assert bad.status_code == 500 and "drafter failure" in bad.json()["error"]["message"]
+    good = client.completions.create(model=MODEL, prompt=dev_prompts[4], max_tokens=8, temperature=0,
+                                     extra_body={"speculative": {"drafter": "boom"}})
+    assert good.choices[0].text == plain.generate(dev_prompts[4], max_new_tokens=8).text
+
+
+def bad_requests() -> list[tuple[str, object, int, str]]:
+    """(route, body, status, a word the message holds); a str body is sent as raw (malformed) JSON."""
+    ok = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    return [
+        ("completions", '{"prompt": "Once", ', 400, "malformed JSON"),
+        ("completions", {**ok, "max_tokens": "many"}, 400, "max_tokens"),
+        ("completions", {**ok, "temperature": "hot"}, 400, "temperature"),
+        ("completions", {**ok, "speculative": {"drafter": "medusa"}}, 400, "prompt-lookup"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": "static:/etc/passwd"}}, 400, "never a file"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": {"kind": "static", "choices": [[i] for i in range(300)]}}},
+         400, "too large"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "num_speculative_tokens": 2, "tree": "chain:2"}}, 400, "not both"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "K": 2}}, 400, "speculative.K"),
+        ("completions", {**ok, "max_tokens": 600}, 400, "600"),
+        ("completions", {**ok, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
+        ("completions", {**ok, "n": 2}, 400, "n=2"),
+        ("completions", {**ok, "logprobs": 2}, 400, "logprobs"),
+        ("completions", {**ok, "prompt": ""}, 400, "empty"),
+        ("completions", {**ok, "model": "gpt-9"}, 404, "gpt-9"),
+        ("chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("chat/completions", {**chat, "n": 3}, 400, "n=3"),
+        ("chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+    ]
+
+
+def check_bad_requests(url: str) -> None:
+    with httpx.Client(timeout=TIMEOUT_S) as http:
+        for route, body, status, word in bad_requests():
+            if isinstance(body, str):
+                r = http.post(f"{url}/v1/{route}", content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(f"{url}/v1/{route}", json=body)
+            assert r.status_code == status, (route, body, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert word in error["message"], (word, error)
+
+
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, client):
+    check_bad_requests(server.url)
+    r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={"model": MODEL, "prompt": "Hi", "max_tokens": 600})
+    assert "512" in r.json()["error"]["message"] and "600" in r.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0).usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+async def stream_text(aclient, prompt: str, tokens: int, **extra) -> tuple[list[int], str]:
+    stream = await aclient.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+        extra_body={"return_token_ids": True, **extra},
+    )
+    ids, text = [], ""
+    async for c in stream:
+        for choice in c.choices:
+            ids += getattr(choice, "token_ids", None) or []
+            text += choice.text
+    return ids, text
+
+
+async def disconnect_after(aclient, prompt: str, chunks: int) -> None:
+    stream = await aclient.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=450, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen >= chunks:
+            break
+    await stream.close()
+
+
+def test_load_64_streams_then_disconnects_then_bad_input_beside_a_stream(server, plain, dev_prompts):
+    prompts = [dev_prompts[i % len(dev_prompts)] for i in range(64)]
+    offline = {p: plain.generate(p, max_new_tokens=TOKENS) for p in set(prompts)}
+    long_prompt = dev_prompts[5]
+    long_offline = plain.generate(long_prompt, max_new_tokens=200, eos_token_id=())
+
+    async def scenario() -> None:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        # 1. 64 concurrent streams, each identical to offline greedy.
+        results = await asyncio.wait_for(asyncio.gather(*(stream_text(aclient, p, TOKENS) for p in prompts)), 120)
+        for p, (ids, text) in zip(prompts, results):
+            assert ids == offline[p].token_ids and text == offline[p].text
+        # 2. 8 clients go away mid-stream: their rows are freed.
+        before = metric(httpx.get(f"{server.url}/metrics").text, "specgraft_requests_total", 'status="499"')
+        await asyncio.wait_for(asyncio.gather(*(disconnect_after(aclient, p, 3) for p in prompts[:8])), 60)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{server.url}/metrics").text
+            gone = metric(text, "specgraft_requests_total", 'status="499"') - before
+            if gone >= 8 and metric(text, "specgraft_running_sequences") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert metric(text, "specgraft_running_sequences") == 0 and metric(text, "specgraft_queued_sequences") == 0
+        assert gone == 8  # cancelled: none of them ran to its 450 tokens
+        # 3. every bad input gets its 4xx while a stream runs beside them.
+        beside = asyncio.create_task(stream_text(aclient, long_prompt, 200, ignore_eos=True))
+        await asyncio.to_thread(check_bad_requests, server.url)
+        ids, text = await asyncio.wait_for(beside, 60)
+        assert ids == long_offline.token_ids and text == long_offline.text
+        await aclient.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_gone_before_a_whole_answer_has_its_generation_cancelled(server):
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return metric(text, "specgraft_requests_total", 'status="499"'), metric(text, "specgraft_running_sequences")
+
+    before, _ = counts()
+    slow = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True,
+            "speculative": {"drafter": "eagle", "tree": "dynamic:8,6,48"}}  # a random head: seconds of work
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=slow, timeout=httpx.Timeout(10, read=0.3))
+    deadline = time.monotonic() + 10
+    while counts() != (before + 1, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == (before + 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------- limits and keys
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """One row, no queue, an API key: a second request while one runs is refused."""
+    app = create_app(sg.load_target(STORIES), {}, model_name=MODEL, max_batch_size=1, max_queue=0, api_key="sekret")
+    running = ServerThread(app).start()
+    yield running
+    running.stop()
+
+
+def test_api_key_is_required_when_set(small_server):
+    r = httpx.get(f"{small_server.url}/v1/models", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    keyed = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="sekret", max_retries=0, timeout=TIMEOUT_S)
+    assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+    assert httpx.get(f"{small_server.url}/health", timeout=10).status_code == 200  # probes need no key
+
+
+def test_full_queue_answers_503_with_retry_after(small_server):
+    headers = {"Authorization": "Bearer sekret"}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=TIMEOUT_S, headers=headers) as http:
+        with http.stream("POST", f"{small_server.url}/v1/completions", json=body) as first:
+            lines = first.iter_lines()
+            next(lines)  # the first request holds the only row
+            busy = http.post(f"{small_server.url}/v1/completions", json={**body, "stream": False})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert "retry" in busy.json()["error"]["message"]
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the running request was not disturbed
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # ~25 s on 2 shared cores, nearly all of it a fresh process importing torch and loading the target
+def test_sigterm_drains_the_running_stream_and_exits_cleanly(plain, dev_prompts):
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        offline = plain.generate(dev_prompts[6], max_new_tokens=300, eos_token_id=())
+        body = {"model": "stories260K", "prompt": dev_prompts[6], "max_tokens": 300, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            events = [json.loads(first[6:])] + [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert text == offline.text and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=30) == 0
+        assert "SIGTERM" in proc.stderr.read()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------------- bench --server
+
+
+def test_bench_server_writes_the_concurrency_table(server, tmp_path):
+    from specgraft.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nTom had a red ball.\nThe sun was\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--server", server.url, "--concurrency", "1,3", "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_identical"] and results["settings"]["model"] == MODEL
+    assert [(r["concurrency"], r["speculative"]) for r in results["levels"]] == [(1, "off"), (1, "on"), (3, "off"), (3, "on")]
+    for r in results["levels"]:
+        assert r["requests"] == 3 and r["completion_tokens"] == 24 and r["total_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+    assert "| 3 | on |" in (out / "results.md").read_text()
+    assert (out / "server_tokens_per_s.png").is_file() and (out / "server_latency.png").is_file()
+
+
+def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
+    from specgraft.cli import main
+    from specgraft.infer.bench_server import parse_concurrency
+
+    with pytest.raises(ValueError, match="positive integers"):
+        parse_concurrency("1,x")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hi\n")
+    assert main(["bench", "--server", "http://127.0.0.1:9", "--target", "x", "--prompts", str(prompts), "--out", str(tmp_path)]) == 2
