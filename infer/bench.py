@@ -417,6 +417,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="bench a running `specgraft serve` at URL instead (see specgraft.infer.bench_server)")
     parser.add_argument("--concurrency", default="1,4,16,64", help="with --server: concurrent requests per level")
     parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
+    parser.add_argument("--batch-size", default=None, metavar="B1,B2,...",
+                        help="offline: run each method with that many prompts at a time through the scheduler "
+                        "(e.g. 1,2,4,8,16): total and per-request throughput, TTFT and ITL, and where speculation "
+                        "stops paying (see specgraft.infer.bench_batch); plain decoding always runs")
     parser.add_argument(
         "--drafter", action="append", default=[],
         help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
@@ -445,6 +449,37 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     return parser
+
+
+def parse_batch_sizes(spec: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8], each a positive integer."""
+    parts = [p.strip() for p in spec.split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--batch-size {spec!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
+    return sorted({int(p) for p in parts})
+
+
+def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int], threads_why: str) -> int:
+    """``bench --batch-size``: each method over the prompts B at a time; writes JSON, markdown and a plot."""
+    from specgraft.infer.bench_batch import batch_markdown, run_batch_sweep, write_batch_plot
+    from specgraft.infer.prompts import encode_prompt
+
+    engine_methods = [m for m in methods if not isinstance(m, Runner)]
+    encoded = [encode_prompt(target, p.text) for p in prompts]
+    results = run_batch_sweep(
+        target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens
+    )
+    results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(batch_markdown(results))
+    write_batch_plot(results, out)
+    print(json.dumps(results, indent=2) if args.json else batch_markdown(results))
+    if not results["greedy_identical"]:
+        print(f"specgraft bench: {len(results['mismatches'])} greedy outputs differ from plain decoding", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _check_drafter_spec(spec: str) -> None:
@@ -544,10 +579,13 @@ def bench_main(args: argparse.Namespace) -> int:
         raise ValueError("nothing to benchmark: give --drafter, --method or --baselines")
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
+    batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     choice = apply_threads(target.model, args.threads)  # the same choice again, for its reason in the report
     print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
     methods = _methods(args, trees, target)
+    if batch_sizes:
+        return _batch_bench(args, target, methods, prompts, batch_sizes, choice.why)
     results = run_bench(
         target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
         threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,

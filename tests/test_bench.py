@@ -462,3 +462,24 @@ def test_dev_prompt_file_is_the_spec_bench_format():
         pytest.skip(f"../shared assets are absent ({DEV_PROMPTS} not found)")
     prompts = read_prompt_file(DEV_PROMPTS, limit=3)
     assert [p.id for p in prompts] == ["0", "1", "2"] and prompts[0].text.startswith("Once upon a time")
+
+
+def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(stories, prompts_file, tmp_path, capsys):
+    args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--drafter", "self", "--tree", "chain:3",
+                 "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--batch-size", "2,1",
+                 "--out", str(tmp_path / "out"), "--json")
+    assert bench_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["greedy_identical"] and printed["settings"]["batch_sizes"] == [1, 2]
+    cells = {(r["method"], r["batch_size"]) for r in printed["rows"]}
+    assert cells == {(m, b) for m in ("plain", "prompt-lookup", "self chain:3") for b in (1, 2)}
+    plain = [r for r in printed["rows"] if r["method"] == "plain"]
+    assert all(r["mean_accepted_length"] == 1.0 and r["total_tokens_per_s"] > 0 for r in plain)
+    assert (tmp_path / "out" / "throughput_vs_batch_size.png").is_file()
+    assert "| plain |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_path):
+    args = _args("--target", "/nonexistent", "--prompts", str(prompts_file), "--batch-size", "1,x", "--out", str(tmp_path))
+    with pytest.raises(ValueError, match="--batch-size '1,x'"):
+        bench_main(args)
