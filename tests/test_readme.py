@@ -41,6 +41,8 @@ TOY_FLAGS = {
     "check-exactness": ["--samples", "100", "--prompt", "Once upon a time"],
     "quickstart": ["--samples", "8", "--train-minutes", "0.05", "--max-new-tokens", "8", "--bench-prompts", "2"],
 }
+# bench --batch-size at toy sizes: the batches must fit in bench's toy --limit of prompts.
+TOY_BATCH_SIZES = ["--batch-size", "1,2"]
 STORY_OPENINGS = 8  # of recipes/tiny/story_openings.jsonl, each continued by the regeneration step
 
 
@@ -94,8 +96,10 @@ def scratch_repository(root: Path) -> Path:
         "import sys\n"
         "from specgraft.cli import main\n"
         f"TOY_FLAGS = {TOY_FLAGS!r}\n"
+        f"TOY_BATCH_SIZES = {TOY_BATCH_SIZES!r}\n"
         "argv = sys.argv[1:]\n"
-        "sys.exit(main(argv + TOY_FLAGS.get(argv[0], []) if argv else argv))\n"
+        "toy = (TOY_FLAGS.get(argv[0], []) + (TOY_BATCH_SIZES if '--batch-size' in argv else [])) if argv else []\n"
+        "sys.exit(main(argv + toy))\n"
     )
     shim.chmod(0o755)
     return repo
