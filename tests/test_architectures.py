@@ -20,6 +20,21 @@ PROMPT_SEEDS = (0, 1, 2)
 STATIC_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
+def greedy_references(model) -> dict[int, tuple[list[int], list[int]]]:
+    """Prompt seed -> (prompt ids, the model's own greedy continuation of NEW_TOKENS tokens, EOS disabled)."""
+    refs = {}
+    for seed in PROMPT_SEEDS:
+        ids = _prompt(seed)
+        x = torch.tensor([ids])
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+            eos_token_id=None, pad_token_id=0,
+        )
+        refs[seed] = (ids, out[0, len(ids):].tolist())
+        assert len(refs[seed][1]) == NEW_TOKENS  # EOS really is disabled in the reference
+    return refs
+
+
 def _prompt(seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     length = 5 + seed * 4
@@ -35,16 +50,7 @@ def arch_case(request):
         cfg = model.config
         assert cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
     target = sg.load_target(model)
-    refs = {}
-    for seed in PROMPT_SEEDS:
-        ids = _prompt(seed)
-        x = torch.tensor([ids])
-        out = model.generate(
-            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
-            eos_token_id=None, pad_token_id=0,
-        )
-        refs[seed] = (ids, out[0, len(ids):].tolist())
-        assert len(refs[seed][1]) == NEW_TOKENS  # EOS really is disabled in the reference
+    refs = greedy_references(model)
     return arch, target, refs
 
 

@@ -21,7 +21,7 @@ import torch
 import transformers
 from torch import nn
 from conftest import NON_LLAMA_ARCHS, STORIES, tiny_causal_lm
-from test_architectures import NEW_TOKENS, PROMPT_SEEDS, STATIC_TREE, VOCAB, _check, _prompt
+from test_architectures import STATIC_TREE, VOCAB, _check, greedy_references
 from test_greedy_identity import BRANCHING_TREE, _mismatches
 from transformers import GPT2LMHeadModel, RwkvConfig, RwkvForCausalLM
 
@@ -86,16 +86,7 @@ def family_case(request):
     model = _hf_path_model(request.param)
     target = sg.load_target(model)
     assert target.fast is None  # "auto" leaves these on Hugging Face's forward
-    refs = {}
-    for seed in PROMPT_SEEDS:
-        ids = _prompt(seed)
-        x = torch.tensor([ids])
-        out = model.generate(
-            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
-            eos_token_id=None, pad_token_id=0,
-        )
-        refs[seed] = (ids, out[0, len(ids):].tolist())
-        assert len(refs[seed][1]) == NEW_TOKENS  # EOS really is disabled in the reference
+    refs = greedy_references(model)
     return request.param, target, refs
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from test_engine_api import hf_generate
+
 import specgraft as sg
 from specgraft.infer.scheduler import per_prompt_options
 
@@ -125,20 +127,12 @@ def test_a_free_row_between_running_rows_is_padding_only(stories, prompts):
         assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram
 
 
-def hf_greedy(target, ids: list[int], n: int, eos) -> list[int]:
-    import torch
-
-    x = torch.tensor([ids])
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, eos_token_id=eos)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def eight(stories, dev_prompts):
     """8 prompts of different lengths, budgets and stop rules; some end early on EOS or a stop string."""
     prompts = [stories.encode(p) for p in dev_prompts[8:16]]
     budgets = [48, 20, 64, 33, 41, 12, 57, 28]
-    refs = [hf_greedy(stories, p, n, None) for p, n in zip(prompts, budgets)]
+    refs = [hf_generate(stories, p, n, eos_token_id=None) for p, n in zip(prompts, budgets)]
     eos = [None] * 8
     eos[2] = [refs[2][30]]  # EOS partway through: the reference ends at its first occurrence
     stops = [None] * 8
@@ -173,7 +167,7 @@ def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind):
         alone = gen.generate(prompts[i], max_new_tokens=budgets[i], eos_token_id=eos_opts[i], stop=stops[i])
         assert out.token_ids == alone.token_ids, f"row {i}"
         assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram, f"row {i}"
-        ref = hf_greedy(stories, prompts[i], budgets[i], eos[i])
+        ref = hf_generate(stories, prompts[i], budgets[i], eos_token_id=eos[i])
         if stops[i]:
             assert stops[i][0] in stories.decode(out.token_ids) and out.token_ids == ref[: len(out.token_ids)]
         else:
