@@ -59,6 +59,7 @@ class RegenerateSection(_Section):
     # Prompts file (any data format, e.g. GSM8K's {"question"} lines); None: the user turns of data.train.
     # Prompts of known evaluation sets (MT-bench, Spec-Bench, GSM8K test) or of eval.prompts are refused.
     prompts: str | None = None
+    max_prompts: int | None = Field(None, ge=1)  # answer only the first N prompts that pass the filters; None: all
     # Extra conversations whose user turn the target writes itself after its chat template's user prefix
     # (Magpie), then answers: chat data with no dataset. Needs a chat template and temperature > 0.
     self_instruct: int = Field(0, ge=0)

@@ -447,3 +447,12 @@ def test_regenerate_command_refuses_an_evaluation_set_as_prompts(tmp_path, monke
     )
     assert main(["regenerate", str(config)]) == 2
     assert "known evaluation set" in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_max_prompts_answers_the_first_prompts_that_pass_the_filters(scripted, tmp_path):
+    target, script, calls = scripted
+    inputs = [{"id": i, "question": q} for i, q in enumerate(["Why?", "why?", "How?", "When?"])]
+    script += [["Because.<EOS>", "Like so.<EOS>"]]
+    summary = run(target, inputs, tmp_path / "out.jsonl", max_prompts=2)
+    assert (summary.written, summary.duplicates) == (2, 1)
+    assert [r["id"] for r in lines(tmp_path / "out.jsonl")] == ["0", "2"]

@@ -160,6 +160,7 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
             min_user_tokens=regen.min_user_tokens,
             max_user_tokens=regen.max_user_tokens,
             dedupe=regen.dedupe,
+            max_prompts=regen.max_prompts,
             held_out=HeldOut(eval_prompts, f"eval.prompts ({cfg.eval.prompts})"),
         )
         log.info(

@@ -96,6 +96,7 @@ def regenerate(
     max_user_tokens: int | None = None,
     dedupe: bool = True,
     held_out: HeldOut | None = None,
+    max_prompts: int | None = None,
     progress: bool = True,
 ) -> RegenerateSummary:
     """Write the target's own replies / continuations for every input to ``out_path`` (jsonl).
@@ -122,6 +123,8 @@ def regenerate(
             (or one already in ``out_path``).
         held_out: evaluation prompts that must not be trained on; None: only
             the known evaluation sets of `specgraft.train.heldout`.
+        max_prompts: answer only the first this many inputs that pass the
+            filters (a CPU-sized slice of a large prompt file); None: all.
         progress: show a tqdm bar.
 
     Raises:
@@ -138,7 +141,9 @@ def regenerate(
     done = _finished_ids(out_path)
     gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
     summary = RegenerateSummary(path=out_path)
-    jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary)
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"max_prompts={max_prompts} must be >= 0")
+    jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary, max_prompts)
     if dedupe:  # self-written user turns are random: compare them with those of earlier runs too
         gate.remember(_existing_user_turns(out_path))
     pending = [job for job in jobs if job.id not in done]
@@ -413,12 +418,15 @@ def _jobs(
     num_from_bos: int,
     gate: _UserTurns,
     summary: RegenerateSummary,
+    max_prompts: int | None = None,
 ) -> list[_Job]:
     """One job per input, in order: evaluation prompts are refused; duplicates and out-of-limit user turns
     are counted and left out (the same ones on every run, so resuming sees the same jobs)."""
     tokenizer = target.tokenizer
     jobs: list[_Job] = []
     for index, item in enumerate(inputs):
+        if max_prompts is not None and len(jobs) == max_prompts:
+            break
         if isinstance(item, str):
             record = {"id": str(index), "text": item}
         else:
