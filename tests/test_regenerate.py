@@ -416,11 +416,13 @@ def test_user_turns_outside_the_token_limits_are_left_out(scripted, tmp_path):
     assert lines(tmp_path / "out.jsonl")[0]["messages"][0]["content"] == middle
 
 
-def test_a_known_evaluation_prompt_is_refused(stories, tmp_path, generate_calls):
+def test_a_known_evaluation_prompt_is_refused_before_anything_is_generated_or_deleted(stories, tmp_path, generate_calls):
     inputs = [{"question": "What is 2 + 3?"}, {"question_id": 81, "turns": [MT_BENCH_81.upper()]}]
+    earlier = tmp_path / "out.jsonl"
+    earlier.write_text('{"id": "0", "text": "an earlier run"}\n')
     with pytest.raises(ValueError, match=r"input 1 \(id '81'\).*known evaluation set \(MT-bench"):
-        run(stories, inputs, tmp_path / "out.jsonl")
-    assert generate_calls == [] and not (tmp_path / "out.jsonl").exists()
+        run(stories, inputs, earlier, resume=False)
+    assert generate_calls == [] and earlier.read_text() == '{"id": "0", "text": "an earlier run"}\n'
 
 
 def test_a_prompt_of_the_runs_own_evaluation_file_is_refused(stories, tmp_path):

@@ -135,15 +135,15 @@ def regenerate(
     """
     _check_settings(target, max_new_tokens, temperature, top_p, batch_size, num_from_bos)
     _check_self_instruct(target, self_instruct, self_instruct_max_tokens, temperature, min_user_tokens, max_user_tokens)
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"max_prompts={max_prompts} must be >= 0")
     out_path = Path(out_path)
+    gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
+    summary = RegenerateSummary(path=out_path)
+    jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary, max_prompts)  # refuses evaluation prompts
     if not resume:
         out_path.unlink(missing_ok=True)
     done = _finished_ids(out_path)
-    gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
-    summary = RegenerateSummary(path=out_path)
-    if max_prompts is not None and max_prompts < 0:
-        raise ValueError(f"max_prompts={max_prompts} must be >= 0")
-    jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary, max_prompts)
     if dedupe:  # self-written user turns are random: compare them with those of earlier runs too
         gate.remember(_existing_user_turns(out_path))
     pending = [job for job in jobs if job.id not in done]
