@@ -56,7 +56,17 @@ class RegenerateSection(_Section):
 
     output: str  # JSONL written by regeneration; training reads it (re-used if it already exists)
     num_from_bos: int = Field(0, ge=0)  # extra sequences sampled from BOS alone (no prompt)
-    prompts: str | None = None  # prompts file; None: the user turns of data.train
+    # Prompts file (any data format, e.g. GSM8K's {"question"} lines); None: the user turns of data.train.
+    # Prompts of known evaluation sets (MT-bench, Spec-Bench, GSM8K test) or of eval.prompts are refused.
+    prompts: str | None = None
+    max_prompts: int | None = Field(None, ge=1)  # answer only the first N prompts that pass the filters; None: all
+    # Extra conversations whose user turn the target writes itself after its chat template's user prefix
+    # (Magpie), then answers: chat data with no dataset. Needs a chat template and temperature > 0.
+    self_instruct: int = Field(0, ge=0)
+    self_instruct_max_tokens: int = Field(128, ge=1)  # a self-written user turn not ended within this is dropped
+    min_user_tokens: int = Field(1, ge=1)  # records with a shorter user turn are dropped (and counted)
+    max_user_tokens: int | None = Field(None, ge=1)  # records with a longer user turn are dropped; None: no limit
+    dedupe: bool = True  # drop records whose user turns repeat an earlier record's (whitespace and case ignored)
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, ge=0.0)  # 1.0 samples the target's own distribution; 0 is greedy
     batch_size: int = Field(16, ge=1)
@@ -67,7 +77,7 @@ class DataSection(_Section):
     """Training conversations: a local file or a hub dataset name."""
 
     train: str | None = None  # required unless data.regenerate says where prompts come from
-    format: Literal["auto", "sharegpt", "openai", "text"] = "auto"
+    format: Literal["auto", "sharegpt", "openai", "text", "question"] = "auto"
     max_length: int = Field(2048, ge=2)  # tokens per sequence after the chat template; longer ones are cut
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # held out for per-depth accuracy, never trained on
     on_error: Literal["raise", "skip"] = "raise"  # a malformed record stops loading, or is skipped and counted
@@ -144,10 +154,23 @@ class TrainConfig(_Section):
         if self.data.train is None and self.data.regenerate is None:
             raise ValueError("data.train is required (a file or hub dataset), unless data.regenerate is set")
         regen = self.data.regenerate
-        if regen is not None and self.data.train is None and regen.prompts is None and regen.num_from_bos == 0:
+        if (
+            regen is not None and self.data.train is None and regen.prompts is None
+            and regen.num_from_bos == 0 and regen.self_instruct == 0
+        ):
             raise ValueError(
                 "data.regenerate has nothing to answer: set data.regenerate.prompts, data.train, "
-                "or data.regenerate.num_from_bos > 0"
+                "data.regenerate.num_from_bos > 0 or data.regenerate.self_instruct > 0"
+            )
+        if regen is not None and regen.self_instruct and regen.temperature == 0:
+            raise ValueError(
+                f"data.regenerate.self_instruct={regen.self_instruct} needs data.regenerate.temperature > 0: "
+                "greedy decoding writes the same user turn every time"
+            )
+        if regen is not None and regen.max_user_tokens is not None and regen.max_user_tokens < regen.min_user_tokens:
+            raise ValueError(
+                f"data.regenerate.max_user_tokens={regen.max_user_tokens} is below "
+                f"data.regenerate.min_user_tokens={regen.min_user_tokens}"
             )
         if self.training.eval_every > 0 and self.eval.prompts is None and self.data.eval_fraction == 0:
             raise ValueError(

@@ -55,7 +55,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"{name} uses attn_implementation={config._attn_implementation!r}; the fast path replaces {FAST_ATTENTION} only"
     if config.hidden_act not in ("silu", "swish"):
         return f"{name} uses hidden_act={config.hidden_act!r}; the fast path implements SiLU only"
-    if getattr(config, "quantization_config", None) is not None:
+    quantization = getattr(config, "quantization_config", None)
+    # A GGUF checkpoint is de-quantized to plain float weights as it loads; only its config keeps the label.
+    if quantization is not None and getattr(quantization, "quant_method", None) != "gguf":
         return f"{name} is quantized; the fast path runs plain weights only"
     linears = [model.lm_head]
     for layer in model.model.layers:

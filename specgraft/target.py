@@ -20,6 +20,7 @@ Shape legend: B batch, T new tokens, S cached tokens, V vocabulary, H hidden.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,11 +344,15 @@ def load_model(
     attn_implementation: str = "sdpa",
     role: str = "target",
     fast: bool | str = "auto",
+    gguf_file: str | None = None,
 ) -> Target:
     """Load and freeze a causal LM, checking that tree attention and the KV cache will be exact on it.
 
     ``fast``: "auto" runs Llama-family models on the lean `FastLlama` forward, True
     requires it (ValueError naming the architecture otherwise), False keeps HF's.
+    ``gguf_file``: a GGUF file inside the directory (or hub repo), de-quantized by
+    transformers (needs the ``gguf`` package); the tokenizer comes from the
+    directory's own files when it has them (they carry the chat template), else from the GGUF.
     """
     torch_dtype = _resolve_dtype(dtype)
     torch_device = _resolve_device(device)
@@ -368,21 +373,22 @@ def load_model(
         name = str(path_or_model)
         if _looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise FileNotFoundError(f"{role} path {name!r} is not a directory")
+        source = Path(name).expanduser() if _looks_like_path(name) else name
+        if gguf_file is not None and importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"gguf_file={gguf_file!r} needs the gguf package: pip install 'specgraft[gguf]'")
+        if gguf_file is not None and _looks_like_path(name) and not (source / gguf_file).is_file():
+            raise FileNotFoundError(f"{role} gguf_file {gguf_file!r} is not a file in {name!r}")
+        gguf = {} if gguf_file is None else {"gguf_file": gguf_file}
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                Path(name).expanduser() if _looks_like_path(name) else name,
-                dtype=torch_dtype,
-                attn_implementation=attn_implementation,
+                source, dtype=torch_dtype, attn_implementation=attn_implementation, **gguf
             ).to(torch_device)
         except OSError as err:
-            raise OSError(f"could not load {role} {name!r}: {err}") from None
+            raise OSError(f"could not load {role} {name!r}{f' ({gguf_file})' if gguf_file else ''}: {err}") from None
         except SafetensorError as err:
             raise OSError(f"could not load {role} {name!r}: a .safetensors file there is truncated or corrupt ({err})") from None
         if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(Path(name).expanduser() if _looks_like_path(name) else name)
-            except (OSError, ValueError):
-                tokenizer = None  # a model without a tokenizer still takes token ids
+            tokenizer = _load_tokenizer(source, gguf_file)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{role} {name or type(model).__name__} is an encoder-decoder; specgraft needs a causal LM")
     model.eval().requires_grad_(False)
@@ -390,6 +396,19 @@ def load_model(
     _check_tree_attention(target, role)
     _check_cached_continuation(target, role)
     return target
+
+
+def _load_tokenizer(source: str | Path, gguf_file: str | None):
+    """The tokenizer of a model directory or hub id, or None: a model without one still takes token ids.
+
+    The directory's own tokenizer files win over a GGUF's embedded vocabulary: they carry the chat template.
+    """
+    for options in ({}, {"gguf_file": gguf_file}) if gguf_file else ({},):
+        try:
+            return AutoTokenizer.from_pretrained(source, **options)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def load_target(
@@ -400,6 +419,7 @@ def load_target(
     attn_implementation: str = "sdpa",
     fast: bool | str = "auto",
     threads: int | str | None = "auto",
+    gguf_file: str | None = None,
 ) -> Target:
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
 
@@ -409,10 +429,13 @@ def load_target(
     the fast path. ``threads="auto"`` sets torch's CPU threads from the model's
     size (`specgraft.threads`: one thread for small models, measured 7-65x
     faster than torch's default on a shared CPU); an int sets that many; None
-    leaves torch's setting.
+    leaves torch's setting. ``gguf_file`` names a GGUF file in the directory to
+    de-quantize and load (``pip install 'specgraft[gguf]'``) instead of
+    safetensors weights.
 
     Raises:
-        FileNotFoundError: a path that does not exist.
+        FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
+        ImportError: ``gguf_file`` without the ``gguf`` package.
         ValueError: an unknown dtype or device, an attention backend without
             4D masks, a model whose forward ignores the tree mask, a forward
             that does not continue through the KV cache it is given (the error
@@ -423,7 +446,7 @@ def load_target(
     choose_threads(0, "cpu", threads)  # a bad value fails before the model loads
     target = load_model(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
-        fast=fast,
+        fast=fast, gguf_file=gguf_file,
     )
     apply_threads(target.model, threads)
     return target

@@ -128,3 +128,38 @@ def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, 
     for layer, (keys, values) in enumerate(raw):
         cache.update(layer, start, keys, values)
     return cache, raw
+
+
+import os  # noqa: E402  (this block is appended; the top of the file is shared with other branches)
+
+SMOLLM2_SHARED = SHARED / "models" / "SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where ../shared/models/SmolLM2-135M-Instruct/materialize.py is told to write the float32 directory
+# (README, recipes); SPECGRAFT_SMOLLM2 points elsewhere.
+SMOLLM2 = Path(os.environ.get("SPECGRAFT_SMOLLM2", Path.home() / ".cache/specgraft/models/SmolLM2-135M-Instruct"))
+
+
+def smollm2_missing() -> str | None:
+    """Why the materialized SmolLM2-135M-Instruct target cannot load here, or None when it can."""
+    if (SMOLLM2 / "model.safetensors").is_file():
+        return None
+    if not SMOLLM2_SHARED.is_dir():
+        return f"SmolLM2-135M-Instruct is not materialized at {SMOLLM2}, and ../shared ({SMOLLM2_SHARED}) is absent"
+    import importlib.util
+
+    package = "" if importlib.util.find_spec("gguf") else "pip install 'specgraft[gguf]' (the gguf package is missing), then "
+    return (
+        f"SmolLM2-135M-Instruct is not materialized at {SMOLLM2}: {package}"
+        f"python {SMOLLM2_SHARED / 'materialize.py'} {SMOLLM2} (or set SPECGRAFT_SMOLLM2 to a copy)"
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct chat target (ChatML, vocab 49,152), float32 on CPU, fast path."""
+    reason = smollm2_missing()
+    if reason:
+        pytest.skip(reason)
+    import specgraft as sg
+
+    return sg.load_target(SMOLLM2)

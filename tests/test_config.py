@@ -229,6 +229,24 @@ def test_regeneration_with_nothing_to_answer(tmp_path, files):
         load_config(write(tmp_path, raw))
 
 
+def test_self_instruct_alone_is_something_to_answer(tmp_path, files):
+    raw = minimal(files, data={"regenerate": {"output": "out.jsonl", "self_instruct": 8}})
+    del raw["data"]["train"]
+    assert load_config(write(tmp_path, raw)).data.regenerate.self_instruct == 8
+
+
+def test_self_instruct_needs_sampling(tmp_path, files):
+    raw = minimal(files, data={"regenerate": {"output": "out.jsonl", "self_instruct": 8, "temperature": 0}})
+    with pytest.raises(ConfigError, match=r"data\.regenerate\.self_instruct=8 needs data\.regenerate\.temperature > 0"):
+        load_config(write(tmp_path, raw))
+
+
+def test_user_token_limits_must_be_ordered(tmp_path, files):
+    raw = minimal(files, data={"regenerate": {"output": "out.jsonl", "min_user_tokens": 8}})
+    with pytest.raises(ConfigError, match=r"max_user_tokens=4 is below data\.regenerate\.min_user_tokens=8"):
+        load_config(write(tmp_path, raw), ["data.regenerate.max_user_tokens=4"])
+
+
 def test_bad_tree_spec(tmp_path, files):
     with pytest.raises(ConfigError, match=r"tree='chain:0'"):
         load_config(write(tmp_path, minimal(files, tree="chain:0")))

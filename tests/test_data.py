@@ -113,6 +113,15 @@ def test_turns_records_become_user_messages_keyed_by_question_id(tmp_path):
     ]
 
 
+def test_question_records_become_a_user_turn_and_its_answer(tmp_path):
+    """GSM8K's format: the question is the user turn, the answer (when present) the assistant turn."""
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"}, {"id": "q", "question": "Why?"}]
+    assert load_records(write_jsonl(tmp_path / "gsm8k.jsonl", rows)) == [
+        {"id": "0", "messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "#### 5"}]},
+        {"id": "q", "messages": [{"role": "user", "content": "Why?"}]},
+    ]
+
+
 def test_auto_detects_each_file_of_a_folder(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"text": "plain"}])
     write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "human", "value": "Q"}]}])

@@ -238,3 +238,223 @@ def test_duplicate_ids_are_an_error(stories, tmp_path):
 def test_bad_sampling_settings_are_rejected(stories, tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         run(stories, PROMPTS, tmp_path / "out.jsonl", **overrides)
+
+
+# ---------------------------------------------------------------- chat data without a dataset
+
+
+MT_BENCH_81 = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+    "and must-see attractions."
+)
+
+
+@pytest.fixture
+def chat_stories(stories):
+    """stories260K with a chat template set in code: its user turns end in plain text (<|end|>), not in EOS."""
+    tokenizer = copy.deepcopy(stories.tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return Target(stories.model, tokenizer, name="stories-chat")
+
+
+@pytest.fixture
+def scripted(chat_stories, monkeypatch):
+    """Replace `generate` by a script: each call takes the next list of replies, one per row, as text.
+
+    A reply ending in "<EOS>" gets the EOS token; one without it is padded with a word up to the token
+    limit, as a sample that never ended would be. Records each call's prompts as text and its limit.
+    """
+    tokenizer = chat_stories.tokenizer
+    eos = tokenizer.eos_token_id
+    script: list[list[str]] = []
+    calls: list[tuple[list[str], int]] = []
+
+    def fake_generate(input_ids, attention_mask, max_new_tokens, **kwargs):
+        replies = script.pop(0)
+        assert len(replies) == input_ids.shape[0], f"script has {len(replies)} replies for {input_ids.shape[0]} rows"
+        calls.append(([tokenizer.decode(row[mask.bool()]) for row, mask in zip(input_ids, attention_mask)], max_new_tokens))
+        rows = []
+        for reply in replies:
+            ended = reply.endswith("<EOS>")
+            ids = tokenizer(reply.removesuffix("<EOS>"), add_special_tokens=False)["input_ids"]
+            filler = tokenizer(" the", add_special_tokens=False)["input_ids"]
+            ids = ids + [eos] if ended else (ids + filler * max_new_tokens)[:max_new_tokens]
+            assert len(ids) <= max_new_tokens, f"scripted reply {reply!r} is longer than the limit {max_new_tokens}"
+            rows.append(ids + [eos] * (max_new_tokens - len(ids)))
+        return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+    monkeypatch.setattr(chat_stories.model, "generate", fake_generate)
+    return chat_stories, script, calls
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_users_words(chat_stories):
+    from specgraft.train.regenerate import user_turn_prefix
+
+    ids, end = user_turn_prefix(chat_stories.tokenizer)
+    assert chat_stories.tokenizer.decode(ids) == "<|user|>\n"
+    assert end == "<|end|>"
+
+
+def test_self_instruct_writes_the_user_turn_then_answers_it(scripted, tmp_path):
+    target, script, calls = scripted
+    script += [["Why is the sky blue?<EOS>", "Tell me about cats<|end|>\nignored"], ["Light scatters.<EOS>", "Cats purr.<EOS>"]]
+    path = tmp_path / "out.jsonl"
+    summary = run(target, [], path, self_instruct=2, self_instruct_max_tokens=20, max_new_tokens=12)
+    assert (summary.written, summary.duplicates, summary.filtered) == (2, 0, 0)
+    assert calls[0] == (["<|user|>\n"] * 2, 20)  # the user turn is sampled from the template's user prefix
+    assert calls[1] == (
+        ["<|user|>\nWhy is the sky blue?<|end|>\n<|assistant|>\n", "<|user|>\nTell me about cats<|end|>\n<|assistant|>\n"],
+        12,
+    )
+    assert lines(path) == [
+        {"id": "self-0", "messages": [{"role": "user", "content": "Why is the sky blue?"},
+                                      {"role": "assistant", "content": "Light scatters."}]},
+        {"id": "self-1", "messages": [{"role": "user", "content": "Tell me about cats"},
+                                      {"role": "assistant", "content": "Cats purr."}]},
+    ]
+
+
+def test_self_instruct_drops_duplicate_and_unfinished_user_turns_and_samples_again(scripted, tmp_path):
+    target, script, calls = scripted
+    script += [
+        ["Same question?<EOS>", "same   QUESTION?<EOS>"], ["An answer.<EOS>"],  # the second repeats the first
+        ["a user turn that never ends"],  # no end of turn within the limit: dropped
+        ["Another question?<EOS>"], ["Another answer.<EOS>"],
+    ]
+    path = tmp_path / "out.jsonl"
+    summary = run(target, [], path, self_instruct=2, self_instruct_max_tokens=32, batch_size=4)
+    assert (summary.written, summary.duplicates, summary.filtered) == (2, 1, 1)
+    assert [len(prompts) for prompts, _ in calls] == [2, 1, 1, 1, 1]  # no batch asks for more than still wanted
+    assert [r["messages"][0]["content"] for r in lines(path)] == ["Same question?", "Another question?"]
+    assert [r["id"] for r in lines(path)] == ["self-0", "self-3"]
+
+
+def test_self_instruct_stops_after_its_attempt_cap(scripted, tmp_path, caplog):
+    from specgraft.train.regenerate import SELF_INSTRUCT_ATTEMPTS
+
+    target, script, calls = scripted
+    cap = 2 * SELF_INSTRUCT_ATTEMPTS  # two conversations wanted
+    script += [["Hi?<EOS>"], ["Hello.<EOS>"]] + [["Hi?<EOS>"]] * (cap - 1)  # then the target only repeats itself
+    with caplog.at_level("WARNING"):
+        summary = run(target, [], tmp_path / "out.jsonl", self_instruct=2, batch_size=1)
+    assert (summary.written, summary.duplicates) == (1, cap - 1)
+    assert script == [] and "1 conversations short after sampling 8 user turns" in caplog.text
+
+
+def test_self_instruct_resumes_up_to_the_requested_count_without_repeating_itself(scripted, tmp_path):
+    target, script, calls = scripted
+    path = tmp_path / "out.jsonl"
+    script += [["First?<EOS>"], ["One.<EOS>"]]
+    run(target, [], path, self_instruct=1)
+    script += [["first?<EOS>"], ["Second?<EOS>"], ["Two.<EOS>"]]  # a repeat of the file's turn, then a new one
+    summary = run(target, [], path, self_instruct=2)
+    assert (summary.written, summary.duplicates) == (1, 1)
+    assert [r["id"] for r in lines(path)] == ["self-0", "self-2"]
+    assert run(target, [], path, self_instruct=2).written == 0 and script == []
+
+
+def test_self_instruct_needs_a_chat_template(stories, tmp_path):
+    with pytest.raises(ValueError, match="self_instruct=2 needs a chat template"):
+        run(stories, [], tmp_path / "out.jsonl", self_instruct=2)
+
+
+def test_self_instruct_needs_sampling(chat_stories, tmp_path):
+    with pytest.raises(ValueError, match="needs temperature > 0"):
+        run(chat_stories, [], tmp_path / "out.jsonl", self_instruct=2, temperature=0)
+
+
+def test_self_instruct_on_the_real_model_writes_conversations(stories, tmp_path):
+    """Unscripted: stories260K, under a template whose user turn ends at a newline, writes a story line as
+    the user turn (it never emits EOS early), which is then answered."""
+    tokenizer = copy.deepcopy(stories.tokenizer)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    target = Target(stories.model, tokenizer, name="stories-plain-chat")
+    path = tmp_path / "out.jsonl"
+    summary = run(target, [], path, self_instruct=3, self_instruct_max_tokens=64, batch_size=3)
+    assert summary.written == 3, summary
+    for record in lines(path):
+        assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
+        assert record["messages"][0]["content"] and "\n" not in record["messages"][0]["content"]
+
+
+def test_question_records_are_answered_by_the_target(scripted, tmp_path):
+    """A GSM8K-style prompt file: the question is the user turn; the file's own answer is replaced."""
+    target, script, calls = scripted
+    source = tmp_path / "gsm8k.jsonl"
+    source.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}) + "\n")
+    script += [["Five.<EOS>"]]
+    run(target, load_records(source), tmp_path / "out.jsonl")
+    assert calls[0][0] == ["<|user|>\nWhat is 2 + 3?<|end|>\n<|assistant|>\n"]
+    assert lines(tmp_path / "out.jsonl") == [
+        {"id": "0", "messages": [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "Five."}]}
+    ]
+
+
+def test_duplicate_prompts_are_answered_once(scripted, tmp_path):
+    target, script, calls = scripted
+    inputs = [{"id": "a", "question": "What is 2 + 3?"}, {"id": "b", "question": "what is  2 + 3?"}, {"id": "c", "question": "Why?"}]
+    script += [["Five.<EOS>", "Because.<EOS>"]]
+    summary = run(target, inputs, tmp_path / "out.jsonl")
+    assert (summary.written, summary.duplicates) == (2, 1)
+    assert [r["id"] for r in lines(tmp_path / "out.jsonl")] == ["a", "c"]
+    script += [["Five again.<EOS>"]]
+    assert run(target, inputs, tmp_path / "out.jsonl", dedupe=False).written == 1  # b, now kept
+
+
+def test_user_turns_outside_the_token_limits_are_left_out(scripted, tmp_path):
+    target, script, calls = scripted
+    tokens = lambda text: len(target.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    short, middle, long = "Hi", "Tell me a story about a dog.", "Tell me a long story about a dog and a cat and a bird."
+    assert tokens(short) < tokens(middle) < tokens(long)
+    script += [["Once.<EOS>"]]
+    summary = run(target, [{"question": q} for q in (short, middle, long)], tmp_path / "out.jsonl",
+                  min_user_tokens=tokens(short) + 1, max_user_tokens=tokens(middle))
+    assert (summary.written, summary.filtered) == (1, 2)
+    assert lines(tmp_path / "out.jsonl")[0]["messages"][0]["content"] == middle
+
+
+def test_a_known_evaluation_prompt_is_refused_before_anything_is_generated_or_deleted(stories, tmp_path, generate_calls):
+    inputs = [{"question": "What is 2 + 3?"}, {"question_id": 81, "turns": [MT_BENCH_81.upper()]}]
+    earlier = tmp_path / "out.jsonl"
+    earlier.write_text('{"id": "0", "text": "an earlier run"}\n')
+    with pytest.raises(ValueError, match=r"input 1 \(id '81'\).*known evaluation set \(MT-bench"):
+        run(stories, inputs, earlier, resume=False)
+    assert generate_calls == [] and earlier.read_text() == '{"id": "0", "text": "an earlier run"}\n'
+
+
+def test_a_prompt_of_the_runs_own_evaluation_file_is_refused(stories, tmp_path):
+    from specgraft.train.heldout import HeldOut
+
+    held_out = HeldOut(["Tom had a red ball. He liked to"], "eval.prompts (dev.jsonl)")
+    with pytest.raises(ValueError, match=r"input 1 \(id '1'\).*one of eval\.prompts \(dev\.jsonl\)"):
+        run(stories, PROMPTS, tmp_path / "out.jsonl", held_out=held_out)
+
+
+def test_regenerate_command_refuses_an_evaluation_set_as_prompts(tmp_path, monkeypatch, capsys):
+    """The real CLI on a config whose prompts file is MT-bench-format evaluation data: refused before generating."""
+    from specgraft.cli import main
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": [MT_BENCH_81]}) + "\n")
+    config = tmp_path / "regen.yaml"
+    config.write_text(
+        f"target: {{path: {STORIES}}}\nhead: {{type: medusa}}\n"
+        f"data: {{regenerate: {{output: {tmp_path / 'out.jsonl'}, prompts: {prompts}}}}}\n"
+    )
+    assert main(["regenerate", str(config)]) == 2
+    assert "known evaluation set" in capsys.readouterr().err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_max_prompts_answers_the_first_prompts_that_pass_the_filters(scripted, tmp_path):
+    target, script, calls = scripted
+    inputs = [{"id": i, "question": q} for i, q in enumerate(["Why?", "why?", "How?", "When?"])]
+    script += [["Because.<EOS>", "Like so.<EOS>"]]
+    summary = run(target, inputs, tmp_path / "out.jsonl", max_prompts=2)
+    assert (summary.written, summary.duplicates) == (2, 1)
+    assert [r["id"] for r in lines(tmp_path / "out.jsonl")] == ["0", "2"]

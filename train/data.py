@@ -8,6 +8,7 @@ Records come in four formats and leave in one normalised form:
 | `openai`   | ``{"messages": [{"role": ..., "content": ...}]}``        | user, assistant, system      |
 | `turns`    | ``{"turns": ["...", ...]}`` (MT-Bench, Spec-Bench)       | every turn is a user turn    |
 | `text`     | ``{"text": "..."}``                                       | none                         |
+| `question` | ``{"question": "...", "answer": "..."}`` (GSM8K)          | question user, answer (optional) assistant |
 
 Normalised: ``{"id": str, "messages": [{"role", "content"}, ...]}`` or
 ``{"id": str, "text": str}``. The id is the record's ``id`` (else
@@ -51,7 +52,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("sharegpt", "openai", "turns", "text")
+FORMATS = ("sharegpt", "openai", "turns", "text", "question")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 LOCAL_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
@@ -167,7 +168,7 @@ def _first_format(rows: list[dict]) -> str | None:
     return None
 
 
-_FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "turns": "turns", "text": "text"}
+_FORMAT_KEYS = {"sharegpt": "conversations", "openai": "messages", "turns": "turns", "text": "text", "question": "question"}
 
 
 def _format_keys() -> str:
@@ -205,6 +206,10 @@ def normalize_record(record: dict, format: str, *, index: int = 0) -> dict:
     elif format == "turns":
         turns = _field(record, "turns", list)
         out["messages"] = [{"role": "user", "content": _string(t, f"turns[{i}]")} for i, t in enumerate(turns)]
+    elif format == "question":
+        out["messages"] = [{"role": "user", "content": _field(record, "question", str)}]
+        if record.get("answer") is not None:
+            out["messages"].append({"role": "assistant", "content": _string(record["answer"], "field 'answer'")})
     elif format == "sharegpt":
         turns = _field(record, "conversations", list)
         out["messages"] = _messages(turns, "conversations", "from", "value", SHAREGPT_ROLES)

@@ -139,12 +139,15 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
     is reused when complete).
     """
     from specgraft.train import data as data_lib
+    from specgraft.train.evaluate import read_prompts
+    from specgraft.train.heldout import HeldOut
     from specgraft.train.regenerate import regenerate
 
     regen = cfg.data.regenerate
     if is_main:
         prompt_source = regen.prompts or cfg.data.train
         inputs = data_lib.load_records(prompt_source, on_error=cfg.data.on_error) if prompt_source else []
+        eval_prompts = read_prompts(cfg.eval.prompts) if cfg.eval.prompts else []
         summary = regenerate(
             target,
             inputs,
@@ -154,8 +157,19 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
             batch_size=regen.batch_size,
             seed=regen.seed,
             num_from_bos=regen.num_from_bos,
+            self_instruct=regen.self_instruct,
+            self_instruct_max_tokens=regen.self_instruct_max_tokens,
+            min_user_tokens=regen.min_user_tokens,
+            max_user_tokens=regen.max_user_tokens,
+            dedupe=regen.dedupe,
+            max_prompts=regen.max_prompts,
+            held_out=HeldOut(eval_prompts, f"eval.prompts ({cfg.eval.prompts})"),
         )
-        log.info("regenerated %d records into %s (%d already there)", summary.written, regen.output, summary.skipped)
+        log.info(
+            "regenerated %d records into %s (%d already there; %d duplicates and %d outside the length limits "
+            "left out; %d without room in the context)",
+            summary.written, regen.output, summary.skipped, summary.duplicates, summary.filtered, summary.too_long,
+        )
     dist.barrier()
     return regen.output
 

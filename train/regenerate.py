@@ -12,7 +12,18 @@ be verified against, not a dataset's. For each input:
 - a text record or a plain prompt string gets a free continuation; the
   record's text is the prompt and continuation together;
 - ``num_from_bos`` extra samples start from the tokenizer's BOS alone
-  (ids "bos-0", "bos-1", ...).
+  (ids "bos-0", "bos-1", ...);
+- ``self_instruct`` extra conversations need no prompts at all (Magpie,
+  Xu et al. 2024): the target is given its chat template up to where a
+  user's words begin, samples the user turn itself, and then answers it
+  (ids "self-0", "self-1", ...). A chat model's own questions follow the
+  distribution its chat training gave it, so a chat target gets chat data
+  without a dataset download.
+
+User turns are deduplicated (after collapsing whitespace and case) and
+length-filtered by token count; a self-written user turn must also end
+within ``self_instruct_max_tokens``. Prompts of known evaluation sets and of
+the run's own evaluation file are refused (`specgraft.train.heldout`).
 
 Output is a jsonl of records in `specgraft.train.data`'s normalised form,
 appended and flushed batch by batch, so `load_records` reads it back and an
@@ -21,7 +32,9 @@ interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -30,17 +43,32 @@ import torch
 from tqdm.auto import tqdm
 
 from specgraft.target import Target
-from specgraft.train.data import detect_format, normalize_record, prompt_ids
+from specgraft.train.data import detect_format, has_chat_template, normalize_record, prompt_ids
+from specgraft.train.heldout import HeldOut, normalize
+
+log = logging.getLogger(__name__)
+
+# Self-written user turns sampled per conversation wanted, at most: a target that keeps repeating
+# itself (duplicates) or rambling (unfinished turns) stops the run short, with a warning, not forever.
+SELF_INSTRUCT_ATTEMPTS = 4
+SELF_INSTRUCT_PREFIX = "self-"
 
 
 @dataclass
 class RegenerateSummary:
-    """written: records added this run; skipped: already in the file; too_long: no room in the context."""
+    """What one run did, by record.
+
+    written: records added; skipped: already in the file (resume); too_long: no room in the
+    context; duplicates: a user turn seen before; filtered: a user turn outside the token
+    limits, or a self-written one that did not end within its limit.
+    """
 
     path: Path
     written: int = 0
     skipped: int = 0
     too_long: int = 0
+    duplicates: int = 0
+    filtered: int = 0
 
 
 # A model's generation_config may carry sampling defaults (top_k=50 is HF's
@@ -62,6 +90,13 @@ def regenerate(
     seed: int = 0,
     resume: bool = True,
     num_from_bos: int = 0,
+    self_instruct: int = 0,
+    self_instruct_max_tokens: int = 128,
+    min_user_tokens: int = 1,
+    max_user_tokens: int | None = None,
+    dedupe: bool = True,
+    held_out: HeldOut | None = None,
+    max_prompts: int | None = None,
     progress: bool = True,
 ) -> RegenerateSummary:
     """Write the target's own replies / continuations for every input to ``out_path`` (jsonl).
@@ -78,41 +113,108 @@ def regenerate(
         resume: skip ids already in ``out_path`` (a truncated last line from a
             crash is removed); False starts the file afresh.
         num_from_bos: extra samples from BOS alone.
+        self_instruct: conversations to add whose user turn the target writes
+            itself (needs a chat template and temperature > 0).
+        self_instruct_max_tokens: most tokens of a self-written user turn; one
+            that has not ended by then is dropped (counted in ``filtered``).
+        min_user_tokens, max_user_tokens: a record with a user turn outside
+            these token counts is dropped (None: no upper limit).
+        dedupe: drop a record whose user turns repeat an earlier record's
+            (or one already in ``out_path``).
+        held_out: evaluation prompts that must not be trained on; None: only
+            the known evaluation sets of `specgraft.train.heldout`.
+        max_prompts: answer only the first this many inputs that pass the
+            filters (a CPU-sized slice of a large prompt file); None: all.
         progress: show a tqdm bar.
 
     Raises:
         ValueError: bad sampling settings, no tokenizer, no BOS for
-            ``num_from_bos``, duplicate ids, or a corrupt line before the end of ``out_path``.
+            ``num_from_bos``, no chat template for ``self_instruct``, duplicate
+            ids, an evaluation prompt among the inputs, or a corrupt line
+            before the end of ``out_path``.
     """
     _check_settings(target, max_new_tokens, temperature, top_p, batch_size, num_from_bos)
+    _check_self_instruct(target, self_instruct, self_instruct_max_tokens, temperature, min_user_tokens, max_user_tokens)
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"max_prompts={max_prompts} must be >= 0")
     out_path = Path(out_path)
-    jobs = _jobs(target, records_or_prompts, num_from_bos)
-    done = _finished_ids(out_path) if resume else set()
+    gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
+    summary = RegenerateSummary(path=out_path)
+    jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary, max_prompts)  # refuses evaluation prompts
     if not resume:
         out_path.unlink(missing_ok=True)
+    done = _finished_ids(out_path)
+    if dedupe:  # self-written user turns are random: compare them with those of earlier runs too
+        gate.remember(_existing_user_turns(out_path))
     pending = [job for job in jobs if job.id not in done]
-    summary = RegenerateSummary(path=out_path, skipped=len(jobs) - len(pending))
+    summary.skipped = len(jobs) - len(pending)
+    self_done = sum(1 for i in done if i.startswith(SELF_INSTRUCT_PREFIX))
+    self_wanted = max(self_instruct - self_done, 0)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     settings = _generation_settings(target, max_new_tokens, temperature, top_p)
+    total = len(jobs) + max(self_instruct, self_done)
     with (
         out_path.open("a", encoding="utf-8") as out,
-        tqdm(total=len(jobs), initial=summary.skipped, desc="regenerate", unit="rec", disable=not progress) as bar,
+        tqdm(total=total, initial=summary.skipped + self_done, desc="regenerate", unit="rec", disable=not progress) as bar,
         torch.random.fork_rng(devices=_rng_devices(target.device), device_type=target.device.type),
     ):
         torch.manual_seed(seed)
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
             _run_batch(target, batch, settings)
-            for job in batch:
-                record = job.result(target.tokenizer)
-                if record is None:
-                    summary.too_long += 1
-                    continue
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                summary.written += 1
-            out.flush()
+            _write(batch, target.tokenizer, out, summary)
             bar.update(len(batch))
+        if self_wanted:
+            _self_instruct(target, self_wanted, self_instruct_max_tokens, batch_size, settings, gate, done, out, summary, bar)
     return summary
+
+
+def _write(batch: Sequence["_Job"], tokenizer, out, summary: RegenerateSummary) -> int:
+    """Append the finished records of ``batch`` and count the others by why they were dropped; returns records written."""
+    written = 0
+    for job in batch:
+        record = job.result(tokenizer)
+        if record is None:
+            reason = job.dropped or "too_long"  # a job stopped for lack of context says nothing else
+            setattr(summary, reason, getattr(summary, reason) + 1)
+            continue
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        written += 1
+    out.flush()
+    summary.written += written
+    return written
+
+
+def _self_instruct(
+    target: Target,
+    wanted: int,
+    user_limit: int,
+    batch_size: int,
+    settings: "_Settings",
+    gate: "_UserTurns",
+    done: set[str],
+    out,
+    summary: RegenerateSummary,
+    bar: tqdm,
+) -> None:
+    """Add ``wanted`` self-instructed conversations, in batches, under an attempt cap."""
+    prefix, end_of_turn = user_turn_prefix(target.tokenizer)
+    fresh_ids = (f"{SELF_INSTRUCT_PREFIX}{k}" for k in itertools.count() if f"{SELF_INSTRUCT_PREFIX}{k}" not in done)
+    cap, sampled = wanted * SELF_INSTRUCT_ATTEMPTS, 0
+    while wanted > 0 and sampled < cap:
+        size = min(batch_size, wanted, cap - sampled)  # never more than still wanted: no answer is written in vain
+        batch = [_SelfInstructJob(next(fresh_ids), prefix, end_of_turn, user_limit, gate) for _ in range(size)]
+        _run_batch(target, batch, settings)
+        written = _write(batch, target.tokenizer, out, summary)
+        wanted -= written
+        sampled += size
+        bar.update(written)
+    if wanted > 0:
+        log.warning(
+            "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
+            "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
+            wanted, sampled, summary.duplicates, summary.filtered,
+        )
 
 
 def _check_settings(
@@ -134,6 +236,72 @@ def _check_settings(
         raise ValueError(f"num_from_bos={num_from_bos} needs a BOS token, and {target.name!r}'s tokenizer has none")
 
 
+def _check_self_instruct(
+    target: Target, count: int, user_limit: int, temperature: float, min_user: int, max_user: int | None
+) -> None:
+    if count < 0:
+        raise ValueError(f"self_instruct={count} must be >= 0")
+    if user_limit < 1:
+        raise ValueError(f"self_instruct_max_tokens={user_limit} must be at least 1")
+    if min_user < 1 or (max_user is not None and max_user < min_user):
+        raise ValueError(f"min_user_tokens={min_user} and max_user_tokens={max_user}: need 1 <= min <= max")
+    if not count:
+        return
+    if temperature == 0:
+        raise ValueError(f"self_instruct={count} needs temperature > 0: greedy decoding writes one user turn only")
+    if not has_chat_template(target.tokenizer):
+        raise ValueError(
+            f"self_instruct={count} needs a chat template (the target writes its user turn after the template's "
+            f"user prefix), and {target.name!r}'s tokenizer has none"
+        )
+
+
+# ---------------------------------------------------------------- user turns
+
+
+class _UserTurns:
+    """The gate every user turn passes: not an evaluation prompt, within the token limits, not seen before."""
+
+    def __init__(self, tokenizer, min_tokens: int, max_tokens: int | None, dedupe: bool, held_out: HeldOut) -> None:
+        self.tokenizer = tokenizer
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+        self.dedupe = dedupe
+        self.held_out = held_out
+        self.seen: set[tuple[str, ...]] = set()
+
+    def remember(self, keys: Iterable[tuple[str, ...]]) -> None:
+        self.seen.update(keys)
+
+    def admit(self, turns: Sequence[str]) -> str | None:
+        """None when a record with these user turns is kept (and remembered); else "duplicates" or "filtered"."""
+        for turn in turns:
+            n = len(self.tokenizer(turn, add_special_tokens=False)["input_ids"])
+            if n < self.min_tokens or (self.max_tokens is not None and n > self.max_tokens):
+                return "filtered"
+        key = tuple(normalize(t) for t in turns)
+        if self.dedupe:
+            if key in self.seen:
+                return "duplicates"
+            self.seen.add(key)
+        return None
+
+
+def user_turn_prefix(tokenizer) -> tuple[list[int], str]:
+    """The chat template up to where a user's words begin (token ids), and the text that ends a user turn.
+
+    Found by rendering a one-turn conversation around a marker, so any template
+    works, default system prompt included: for ChatML that is
+    ``<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n`` and ``<|im_end|>``.
+    """
+    marker = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    before, found, after = text.partition(marker)
+    if not found or not before:
+        raise ValueError("the chat template does not render the user's words after a prefix; self_instruct cannot use it")
+    ids = list(tokenizer(before, add_special_tokens=False)["input_ids"])  # the template carries its own BOS
+    return ids, after.strip() or after  # a turn closed by a bare newline ends at that newline
+
+
 # ---------------------------------------------------------------- jobs
 
 
@@ -145,9 +313,13 @@ class _TextJob:
     prompt: list[int]
     reply: list[int] | None = None
     stopped: bool = False
+    dropped: str | None = None
 
     def next_prompt(self, tokenizer) -> list[int] | None:
         return None if self.reply is not None or self.stopped else self.prompt
+
+    def token_limit(self, max_new_tokens: int) -> int:
+        return max_new_tokens
 
     def take(self, reply: list[int], tokenizer) -> None:
         self.reply = reply
@@ -165,6 +337,7 @@ class _ChatJob:
     id: str
     turns: list[dict | None]
     stopped: bool = False
+    dropped: str | None = None
 
     def _next_slot(self) -> int | None:
         return next((i for i, turn in enumerate(self.turns) if turn is None), None)
@@ -172,6 +345,9 @@ class _ChatJob:
     def next_prompt(self, tokenizer) -> list[int] | None:
         slot = self._next_slot()
         return None if slot is None or self.stopped else prompt_ids(self.turns[:slot], tokenizer)
+
+    def token_limit(self, max_new_tokens: int) -> int:
+        return max_new_tokens
 
     def take(self, reply: list[int], tokenizer) -> None:
         content = tokenizer.decode(reply, skip_special_tokens=True).strip()
@@ -186,20 +362,88 @@ class _ChatJob:
         return {"id": self.id, "messages": turns}
 
 
-def _jobs(target: Target, inputs: Iterable[dict | str], num_from_bos: int) -> list[_TextJob | _ChatJob]:
+@dataclass
+class _SelfInstructJob:
+    """Magpie: round 1 samples a user turn after the template's user prefix, round 2 answers it."""
+
+    id: str
+    prefix: list[int]
+    end_of_turn: str  # the template's text after a user turn (ChatML: <|im_end|>); cut from the sample
+    user_limit: int
+    gate: _UserTurns
+    user: str | None = None
+    reply: str | None = None
+    stopped: bool = False
+    dropped: str | None = None
+
+    def next_prompt(self, tokenizer) -> list[int] | None:
+        if self.stopped or self.reply is not None:
+            return None
+        if self.user is None:
+            return self.prefix
+        return prompt_ids([{"role": "user", "content": self.user}], tokenizer)
+
+    def token_limit(self, max_new_tokens: int) -> int:
+        return self.user_limit if self.user is None else max_new_tokens
+
+    def take(self, reply: list[int], tokenizer) -> None:
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        if self.user is not None:
+            self.reply = text.strip()
+            return
+        # Generation stops at EOS (cut off already, so the reply is shorter than the limit) or, for a
+        # template whose end of turn is plain text, at that text: either way the user turn ended.
+        ended = len(reply) < self.user_limit
+        if self.end_of_turn and self.end_of_turn in text:
+            text, ended = text.partition(self.end_of_turn)[0], True
+        text = text.strip()
+        self.dropped = "filtered" if not ended or not text else self.gate.admit([text])
+        if self.dropped is None:
+            self.user = text
+        else:
+            self.stopped = True
+
+    def result(self, tokenizer) -> dict | None:
+        if self.reply is None:
+            return None
+        return {"id": self.id, "messages": [{"role": "user", "content": self.user}, {"role": "assistant", "content": self.reply}]}
+
+
+_Job = _TextJob | _ChatJob | _SelfInstructJob
+
+
+def _jobs(
+    target: Target,
+    inputs: Iterable[dict | str],
+    num_from_bos: int,
+    gate: _UserTurns,
+    summary: RegenerateSummary,
+    max_prompts: int | None = None,
+) -> list[_Job]:
+    """One job per input, in order: evaluation prompts are refused; duplicates and out-of-limit user turns
+    are counted and left out (the same ones on every run, so resuming sees the same jobs)."""
     tokenizer = target.tokenizer
-    jobs: list[_TextJob | _ChatJob] = []
+    jobs: list[_Job] = []
     for index, item in enumerate(inputs):
+        if max_prompts is not None and len(jobs) == max_prompts:
+            break
         if isinstance(item, str):
-            jobs.append(_TextJob(str(index), target.encode(item)))
+            record = {"id": str(index), "text": item}
+        else:
+            fmt = detect_format(item)
+            if fmt is None:
+                raise ValueError(f"input {index}: cannot tell the format (keys: {sorted(item)})")
+            try:
+                record = normalize_record(item, fmt, index=index)
+            except ValueError as err:
+                raise ValueError(f"input {index}: {err}") from None
+        turns = [record["text"]] if "text" in record else [m["content"] for m in record["messages"] if m["role"] == "user"]
+        for turn in turns:
+            gate.held_out.check(turn, f"input {index} (id {record['id']!r})")
+        dropped = gate.admit(turns) if turns else None
+        if dropped is not None:
+            setattr(summary, dropped, getattr(summary, dropped) + 1)
             continue
-        fmt = detect_format(item)
-        if fmt is None:
-            raise ValueError(f"input {index}: cannot tell the format (keys: {sorted(item)})")
-        try:
-            record = normalize_record(item, fmt, index=index)
-        except ValueError as err:
-            raise ValueError(f"input {index}: {err}") from None
         if "text" in record:
             jobs.append(_TextJob(record["id"], target.encode(record["text"])))
         else:
@@ -232,6 +476,20 @@ def _check_unique(ids: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- resume
+
+
+def _existing_user_turns(path: Path) -> list[tuple[str, ...]]:
+    """Dedupe keys of the records already in ``path`` (called after `_finished_ids` has repaired it)."""
+    if not path.exists():
+        return []
+    keys = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("messages"):
+            keys.append(tuple(normalize(m["content"]) for m in record["messages"] if m.get("role") == "user"))
+    return keys
 
 
 def _finished_ids(path: Path) -> set[str]:
@@ -294,27 +552,36 @@ def _generation_settings(target: Target, max_new_tokens: int, temperature: float
     return _Settings(max_new_tokens, target.max_context, pad_id, eos_ids, kwargs)
 
 
-def _run_batch(target: Target, batch: Sequence[_TextJob | _ChatJob], settings: _Settings) -> None:
-    """Generate rounds until every job in the batch is done (a conversation takes one round per reply)."""
+def _run_batch(target: Target, batch: Sequence[_Job], settings: _Settings) -> None:
+    """Generate rounds until every job in the batch is done (a conversation takes one round per reply).
+
+    Within a round, jobs are grouped by their token limit (a self-written user
+    turn is shorter than a reply), one `generate` call per group.
+    """
     tokenizer = target.tokenizer
     while True:
-        active, prompts = [], []
+        groups: dict[int, tuple[list[_Job], list[list[int]]]] = {}
         for job in batch:
             prompt = job.next_prompt(tokenizer)
             if prompt is None:
                 continue
-            if len(prompt) + settings.max_new_tokens > settings.max_context:
+            limit = job.token_limit(settings.max_new_tokens)
+            if len(prompt) + limit > settings.max_context:
                 job.stopped = True
                 continue
+            active, prompts = groups.setdefault(limit, ([], []))
             active.append(job)
             prompts.append(prompt)
-        if not active:
+        if not groups:
             return
-        for job, reply in zip(active, _generate_batch(target, prompts, settings)):
-            job.take(reply, tokenizer)
+        for limit, (active, prompts) in groups.items():
+            for job, reply in zip(active, _generate_batch(target, prompts, settings, limit)):
+                job.take(reply, tokenizer)
 
 
-def _generate_batch(target: Target, prompts: Sequence[Sequence[int]], settings: _Settings) -> list[list[int]]:
+def _generate_batch(
+    target: Target, prompts: Sequence[Sequence[int]], settings: _Settings, max_new_tokens: int | None = None
+) -> list[list[int]]:
     """New token ids per prompt, cut before the first EOS (padding after it goes too).
 
     Prompts are left-padded with an attention mask; HF `generate` derives
@@ -327,8 +594,9 @@ def _generate_batch(target: Target, prompts: Sequence[Sequence[int]], settings: 
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
         attention_mask[row, width - len(prompt) :] = 1
+    kwargs = settings.kwargs if max_new_tokens is None else {**settings.kwargs, "max_new_tokens": max_new_tokens}
     out = target.model.generate(
-        input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device), **settings.kwargs
+        input_ids=input_ids.to(target.device), attention_mask=attention_mask.to(target.device), **kwargs
     )  # (B, S + new)
     return [_until_eos(row, settings.eos_ids) for row in out[:, width:].tolist()]
 
