@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import specgraft as sg
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import Tree, tree_attention_mask, tree_position_ids
 
 

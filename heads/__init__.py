@@ -23,7 +23,7 @@ from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.target import Target
+from specgraft.model import Target
 
 
 def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig, target: Target) -> nn.Module:

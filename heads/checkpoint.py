@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specgraft.heads.configs import HeadConfig
-from specgraft.target import Target
+from specgraft.model import Target
 
 FORMAT_VERSION = 1
 SIDECAR = "specgraft_head.json"  # head config + target signature beside a transformers model directory

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import DistillConfig
-from specgraft.target import Target
+from specgraft.model import Target
 
 SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 

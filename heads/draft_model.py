@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specgraft.heads.draft_round import DraftRound
-from specgraft.target import Target, load_model
+from specgraft.model import Target, load_model
 from specgraft.tree import Tree, TreePolicy, additive_mask
 from specgraft.tree.draw import DraftSampler
 

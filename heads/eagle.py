@@ -26,8 +26,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import EagleConfig
 from specgraft.heads.feature_drafter import FeatureDrafter
-from specgraft.fast_llama import FastLlama, StaticKVCache
-from specgraft.target import KVCache, Target, cache_keyword
+from specgraft.model import FastLlama, StaticKVCache
+from specgraft.model import KVCache, Target, cache_keyword
 from specgraft.tree import additive_mask
 
 

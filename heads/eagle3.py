@@ -12,7 +12,7 @@ i + j and sees the real prefix (step-0 pairs at columns <= i) plus its own
 earlier steps at column i.
 
 Training runs the modules (`forward`, `loss`); drafting runs the same maths
-over the same weights through `specgraft.fast_llama` (`draft_forward`, with a
+over the same weights through `specgraft.model.fast_llama` (`draft_forward`, with a
 `StaticKVCache`), without transformers' per-call machinery.
 
 Draft vocabulary: the ``draft_vocab_size`` most frequent target tokens in the
@@ -33,8 +33,8 @@ from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import Eagle3Config
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.eagle import layer_config
-from specgraft.fast_llama import FastLlama, StaticKVCache, rms_norm
-from specgraft.target import KVCache, Target
+from specgraft.model import FastLlama, StaticKVCache, rms_norm
+from specgraft.model import KVCache, Target
 from specgraft.tree import additive_mask
 
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, umask_mode
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
-from specgraft.target import Target
+from specgraft.model import Target
 
 FORMATS = ("vllm", "sglang", "eagle", "medusa")
 SUPPORTED = {

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specgraft.heads.draft_round import DraftRound
-from specgraft.target import TREE_SLOTS, Target
+from specgraft.model import TREE_SLOTS, Target
 from specgraft.tree import Tree, TreePolicy, additive_mask
 from specgraft.tree.draw import DraftSampler
 

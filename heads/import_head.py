@@ -25,7 +25,7 @@ from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.heads.export import UNSUPPORTED_VARIANTS
-from specgraft.target import Target
+from specgraft.model import Target
 
 IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
 WEIGHT_FILES = {  # in the order the official loaders look for them
@@ -244,7 +244,7 @@ def add_import_arguments(parser) -> None:
 
 
 def import_main(args) -> int:
-    from specgraft.target import load_target
+    from specgraft.model import load_target
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     out = import_head(args.src_dir, args.fmt, args.out_dir, target)

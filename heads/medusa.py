@@ -20,7 +20,7 @@ from torch import nn
 
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import MedusaConfig
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import Tree, TreePolicy
 from specgraft.tree.draw import DraftSampler
 

@@ -55,7 +55,7 @@ from specgraft.infer.bench_runners import BASELINE_KINDS, HF_PLD_NUM_TOKENS, Run
 from specgraft.infer.prompts import BenchPrompt, read_prompt_file
 from specgraft.infer.prompts import encode_prompt as encode_prompt
 from specgraft.infer.stats import GenerationStats
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.threads import apply_threads, parse_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.stats import percentile
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import TreePolicy
 
 PLOT = "throughput_vs_batch_size.png"

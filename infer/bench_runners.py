@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.stats import GenerationStats, percentile
-from specgraft.target import Target, load_model
+from specgraft.model import Target, load_model
 from specgraft.tree import TreePolicy
 
 STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))

@@ -27,7 +27,7 @@ from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.stats import GenerationStats
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import TreePolicy
 
 IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between looks at its command queue

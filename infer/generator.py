@@ -20,8 +20,8 @@ from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free,
 from specgraft.infer.stats import GenerationStats, StatsRecorder
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, greedy_accept, sample_accept, typical_accept
-from specgraft.fast_llama import StaticKVCache
-from specgraft.target import KVCache, Target
+from specgraft.model import StaticKVCache
+from specgraft.model import KVCache, Target
 from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specgraft.target import Target
+from specgraft.model import Target
 
 
 @dataclass(frozen=True)

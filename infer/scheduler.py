@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from specgraft.infer.stopping import StopRule
 from specgraft.tree import batched_tree_inputs
 
-from specgraft.target import TREE_SLOTS
+from specgraft.model import TREE_SLOTS
 
 if TYPE_CHECKING:
     from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator

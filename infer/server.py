@@ -50,7 +50,7 @@ from specgraft.infer.openai_protocol import (
 )
 from specgraft.infer.serve_metrics import Metrics
 from specgraft.infer.stats import GenerationStats
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import Chain, StaticTree, TreePolicy, parse_tree_spec
 from specgraft.tree.policies import tree_from_spec
 

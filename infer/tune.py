@@ -34,7 +34,7 @@ from specgraft.heads.base import Drafter
 from specgraft.infer.bench import BenchPrompt, engine_runner, run_interleaved
 from specgraft.infer.generator import Decoding
 from specgraft.infer.stopping import StopRule
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import Chain, Tree, TreeBuilder, TreePolicy, tree_attention_mask, tree_position_ids
 from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
 from specgraft.tree.policies import tree_from_spec

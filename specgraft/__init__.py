@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specgraft.heads import DraftModel, Drafter, PromptLookup, load_drafter
     from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
-    from specgraft.target import KVCache, Target, load_target
+    from specgraft.model import KVCache, Target, load_target
     from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
 
 __version__ = "0.1.0"
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(("DraftModel", "Drafter", "PromptLookup", "load_drafter"), "specgraft.heads"),
     **dict.fromkeys(("GenerationOutput", "GenerationStats", "SpeculativeGenerator", "StreamChunk"), "specgraft.infer"),
-    **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.target"),
+    **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.model"),
     **dict.fromkeys(("Chain", "DynamicTree", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
 }
 

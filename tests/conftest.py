@@ -120,7 +120,7 @@ def numbered_kv(batch: int, heads: int, length: int, dim: int, layers: int) -> l
 
 def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, layers: int = 2, max_len: int = 64):
     """A StaticKVCache holding `numbered_kv`, and those raw tensors."""
-    from specgraft.fast_llama import StaticKVCache
+    from specgraft.model import StaticKVCache
 
     cache = StaticKVCache(layers, heads, dim, max_len=max_len)
     start = cache.extend(batch, length)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specgraft.target import Target, installed_cache_keyword
+from specgraft.model import Target, installed_cache_keyword
 
 START = -1  # context slot for "no token here yet"
 

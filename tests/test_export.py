@@ -498,7 +498,7 @@ def test_command_line_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     assert "vllm serve" in capsys.readouterr().out
     parser = argparse.ArgumentParser()
     add_import_arguments(parser)
-    monkeypatch.setattr("specgraft.target.load_target", lambda *a, **k: tiny)  # the tiny target has no directory
+    monkeypatch.setattr("specgraft.model.load_target", lambda *a, **k: tiny)  # the tiny target has no directory
     args = parser.parse_args([str(tmp_path / "x"), "--format", "medusa", str(tmp_path / "back"), "--target", "tiny"])
     assert import_main(args) == 0
     assert_same_drafts(head_dir, tmp_path / "back", tiny)

@@ -15,8 +15,8 @@ from conftest import STORIES, filled_cache, tiny_causal_lm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import specgraft as sg
-from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
-from specgraft.target import KVCache, Target
+from specgraft.model import FastLlama, StaticKVCache, unsupported_reason
+from specgraft.model import KVCache, Target
 from specgraft.tree import additive_mask
 
 TOL = 1e-5

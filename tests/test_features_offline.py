@@ -24,7 +24,7 @@ from toy_train import greedy_examples
 from specgraft.config import load_config
 from specgraft.heads import build_head
 from specgraft.heads.configs import Eagle3Config, EagleConfig
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.train.data import collate
 from specgraft.train.features import FeatureCache, estimate_bytes, extract_features, features_dir, target_batch
 from specgraft.train.pipeline import run_feature_extraction, run_training

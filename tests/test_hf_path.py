@@ -26,9 +26,9 @@ from test_greedy_identity import BRANCHING_TREE, _mismatches
 from transformers import GPT2LMHeadModel, RwkvConfig, RwkvForCausalLM
 
 import specgraft as sg
-import specgraft.target as target_module
+import specgraft.model.target as target_module
 from specgraft.heads import EagleConfig, MedusaConfig, build_head, save_head
-from specgraft.target import CACHE_KEYWORDS, cache_keyword, installed_cache_keyword
+from specgraft.model import CACHE_KEYWORDS, cache_keyword, installed_cache_keyword
 
 MEDUSA_HEADS = 4  # head k drafts depth k + 1, and STATIC_TREE / BRANCHING_TREE reach depth 4
 EAGLE_TREE = sg.DynamicTree(top_k=4, depth=4, budget=12)

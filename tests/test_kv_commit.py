@@ -18,7 +18,7 @@ from conftest import filled_cache, numbered_kv, tiny_causal_lm
 
 import specgraft as sg
 from specgraft.infer.generator import Decoding
-from specgraft.target import KVCache, Target
+from specgraft.model import KVCache, Target
 from specgraft.tree import ROOT_PARENT, Tree
 
 TOL = 1e-5

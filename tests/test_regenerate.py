@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.train.data import load_records
 from specgraft.train.regenerate import regenerate
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import MedusaConfig
-from specgraft.target import Target
+from specgraft.model import Target
 
 
 class ToyHead(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from specgraft.heads import as_drafter
 from specgraft.heads.base import Drafter
 from specgraft.infer import SpeculativeGenerator
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.tree import Tree, TreeBuilder, TreePolicy, parse_tree_spec
 from specgraft.tree.draw import DraftSampler
 

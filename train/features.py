@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from specgraft.config import TrainConfig
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.checkpoint import atomic_write, target_signature
-from specgraft.target import Target
+from specgraft.model import Target
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

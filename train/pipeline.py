@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from specgraft.config import TrainConfig
-from specgraft.target import Target, load_target
+from specgraft.model import Target, load_target
 from specgraft.train.trainer import DistEnv, Trainer, init_distributed, shutdown_distributed
 
 log = logging.getLogger(__name__)

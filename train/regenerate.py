@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.train.data import detect_format, has_chat_template, normalize_record, prompt_ids
 from specgraft.train.heldout import HeldOut, normalize
 

@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
 from specgraft.heads.base import TrainableHead
 from specgraft.heads.checkpoint import save_head
-from specgraft.target import Target
+from specgraft.model import Target
 from specgraft.train.features import FeatureCache, extract_features, features_dir, target_batch
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ position ids, an optional 4D additive mask, and a KV cache whose rows can be
 kept or dropped by index.
 
 Llama-family targets (Llama, Mistral, Qwen2, Qwen3) run by default on
-`specgraft.fast_llama`, a lean forward over the same weights with a
+`specgraft.model.fast_llama`, a lean forward over the same weights with a
 `StaticKVCache`; everything else, or ``fast=False``, runs HF's own forward
 with a `KVCache`. Both caches have the same interface. HF's forward gets its
 cache under the keyword its own signature names (`cache_keyword`: the name
@@ -29,10 +29,10 @@ from typing import Sequence
 import torch
 import transformers
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
-from specgraft.batched_cache import BatchedKVCache
-from specgraft.fast_llama import FastLlama, StaticKVCache, unsupported_reason
+from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
+from specgraft.model.fast_llama import FastLlama, unsupported_reason
 from specgraft.threads import apply_threads, choose_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -92,53 +92,6 @@ def cache_keyword(module_class: type) -> str:
         f"{module_class.__name__}.forward takes no KV cache keyword ({' or '.join(CACHE_KEYWORDS)}) "
         "and no **kwargs, so specgraft cannot pass it a cache"
     )
-
-
-class KVCache:
-    """One owner for a model's key/value cache, with explicit lengths.
-
-    Wraps transformers' `DynamicCache` (per layer ``keys``/``values`` of shape
-    (B, kv_heads, S, head_dim)) and adds the two edits speculation needs:
-    `keep` for committing an accepted tree path and `crop` for rollback.
-    """
-
-    def __init__(self) -> None:
-        self.hf = DynamicCache()
-
-    def __len__(self) -> int:
-        return self.hf.get_seq_length()
-
-    def crop(self, length: int) -> None:
-        """Drop every position from ``length`` on."""
-        if not 0 <= length <= len(self):
-            raise ValueError(f"cannot crop a cache of {len(self)} positions to {length}")
-        for layer in self.hf.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys[:, :, :length]
-                layer.values = layer.values[:, :, :length]
-
-    def keep(self, prefix_len: int, rows: torch.Tensor) -> None:
-        """Keep the first ``prefix_len`` positions plus ``prefix_len + rows`` (B, K), contiguously.
-
-        This is the commit of an accepted path: tree nodes are written after
-        the prefix in tree order, the accepted ones are gathered behind the
-        prefix and everything else is dropped.
-        """
-        rows = rows if rows.dim() == 2 else rows[None]
-        for layer in self.hf.layers:
-            if not layer.is_initialized:
-                continue
-            b, h, _, d = layer.keys.shape
-            index = (prefix_len + rows)[:, None, :, None].expand(b, h, rows.shape[1], d)  # (B, kv_heads, K, hd)
-            kept_k = layer.keys.gather(2, index)
-            kept_v = layer.values.gather(2, index)
-            layer.keys = torch.cat([layer.keys[:, :, :prefix_len], kept_k], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :prefix_len], kept_v], dim=2)
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of one layer, each (B, kv_heads, S, head_dim)."""
-        entry = self.hf.layers[layer]
-        return entry.keys, entry.values
 
 
 @dataclass
@@ -424,7 +377,7 @@ def load_target(
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
 
     ``fast="auto"`` runs Llama, Mistral, Qwen2 and Qwen3 models with sdpa or eager
-    attention on `specgraft.fast_llama` (same weights, same outputs, less
+    attention on `specgraft.model.fast_llama` (same weights, same outputs, less
     overhead); ``fast=False`` keeps Hugging Face's forward; ``fast=True`` requires
     the fast path. ``threads="auto"`` sets torch's CPU threads from the model's
     size (`specgraft.threads`: one thread for small models, measured 7-65x

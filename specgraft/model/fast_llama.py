@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specgraft.model.caches import FIRST_ALLOCATION, StaticKVCache
+
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
 # refused: they may override any part of the forward.
 FAST_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -40,7 +42,6 @@ FAST_ATTENTION = ("sdpa", "eager")
 # Rope types whose frequencies change with the sequence length: the rotary module
 # must see every forward's positions instead of a precomputed table.
 DYNAMIC_ROPE = ("dynamic", "longrope")
-FIRST_ALLOCATION = 256  # slots allocated on a cache's first write (at least what it needs); doubled when full
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -70,114 +71,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return f"{name} is dispatched with accelerate hooks (device_map / offload); the fast path would bypass them"
     return None
-
-
-class StaticKVCache:
-    """Preallocated key/value buffers written at explicit slots, with a length counter; rollback is free.
-
-    Storage is one tensor ``kv`` of shape (layers, 2, B, Hkv, C, D), allocated on
-    the first write (when B is known) and doubled when a write needs more room,
-    up to ``max_len`` slots. Slots are not positions: the nodes of a tree share
-    positions but each has its own slot.
-
-    The interface is `specgraft.target.KVCache`'s: ``len``, ``crop``, ``keep``,
-    ``layer_kv``; plus `extend` and `update`, which a forward uses to write.
-
-    Args:
-        num_layers, kv_heads, head_dim: the model's cache geometry.
-        max_len: most slots this cache may hold; a write beyond it raises.
-        dtype, device: of the buffers (the model's).
-    """
-
-    def __init__(
-        self, num_layers: int, kv_heads: int, head_dim: int, *, max_len: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-    ) -> None:
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
-        self.kv: torch.Tensor | None = None  # (layers, 2, B, Hkv, C, D) once written
-        self.keys: list[torch.Tensor] = []  # per layer a (B, Hkv, C, D) view of kv
-        self.values: list[torch.Tensor] = []
-        self.length = 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.kv is None else self.kv.shape[4]
-
-    def extend(self, batch: int, new: int) -> int:
-        """Count ``new`` more slots as filled (growing the buffers if needed) and return the first of them."""
-        start, end = self.length, self.length + new
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {start} slots held + {new} new exceed max_len {self.max_len}")
-        if self.kv is not None and self.kv.shape[2] != batch:
-            raise ValueError(f"this KV cache holds batch {self.kv.shape[2]}, got a forward of batch {batch}")
-        if end > self.capacity:
-            self._grow(batch, end)
-        self.length = end
-        return start
-
-    def update(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write (B, Hkv, T, D) keys/values at slots [start, start + T); return (keys, values) of slots [0, start + T)."""
-        t = keys.shape[2]
-        k, v = self.keys[layer], self.values[layer]  # (B, Hkv, C, D); narrow is the cheapest slice on the hot path
-        k.narrow(2, start, t).copy_(keys)
-        v.narrow(2, start, t).copy_(values)
-        return k.narrow(2, 0, start + t), v.narrow(2, 0, start + t)
-
-    def crop(self, length: int) -> None:
-        """Drop every slot from ``length`` on (only the counter moves)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
-        self.length = length
-
-    def keep(self, prefix_len: int, rows: torch.Tensor) -> None:
-        """Keep slots [0, prefix_len) plus ``prefix_len + rows``, gathered contiguously behind the prefix.
-
-        Args:
-            prefix_len: slots before the tree, kept as they are.
-            rows: (K,) or (B, K) increasing tree rows (relative to the prefix) to keep, e.g. an accepted path.
-        """
-        rows = rows if rows.dim() == 2 else rows[None]  # (B or 1, K)
-        listed = rows.tolist()  # a few paths of a few rows: cheaper to check on the host
-        k = rows.shape[1]
-        if not 0 <= prefix_len <= self.length:
-            raise ValueError(f"keep: prefix_len {prefix_len} outside a cache of {self.length} positions")
-        if any(not 0 <= r < self.length - prefix_len for path in listed for r in path):
-            raise ValueError(f"keep: rows {listed} outside the {self.length - prefix_len} slots after the prefix")
-        # A path that is already contiguous (plain decoding, a fully accepted chain) needs no move.
-        if any(path != list(range(k)) for path in listed):
-            self._gather(prefix_len, rows.to(self.device))
-        self.length = prefix_len + k
-
-    @torch.inference_mode()
-    def _gather(self, prefix_len: int, rows: torch.Tensor) -> None:
-        layers, _, b, h, _, d = self.kv.shape
-        k = rows.shape[1]
-        index = (prefix_len + rows).expand(b, k)  # (B, K)
-        # Read every kept row before writing any: rows[i] >= i, so sources and targets may overlap.
-        kept = self.kv.gather(4, index[None, None, :, None, :, None].expand(layers, 2, b, h, k, d))  # (layers, 2, B, Hkv, K, D)
-        self.kv[:, :, :, :, prefix_len:prefix_len + k] = kept
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of one layer, each (B, Hkv, S, D): views, valid until the next write grows the buffers."""
-        if self.kv is None:
-            empty = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-            return empty, empty
-        return self.keys[layer][:, :, :self.length], self.values[layer][:, :, :self.length]
-
-    def _grow(self, batch: int, needed: int) -> None:
-        capacity = max(needed, FIRST_ALLOCATION if self.kv is None else 2 * self.capacity)
-        capacity = min(capacity, self.max_len)
-        kv = torch.zeros(
-            self.num_layers, 2, batch, self.kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device
-        )
-        if self.kv is not None:
-            kv[:, :, :, :, :self.length] = self.kv[:, :, :, :, :self.length]
-        self.kv = kv
-        self.keys, self.values = list(kv[:, 0]), list(kv[:, 1])
 
 
 @dataclass
