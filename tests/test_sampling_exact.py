@@ -6,7 +6,8 @@ known in closed form. Each configuration draws 20,000 continuations through
 the full engine and must fit that distribution (chi-square p > 0.001 and TV
 under a bound derived from the sample size). A deliberately wrong rule must
 fail the same test. The default run covers every drafter kind, temperature
-and filter at least once; ``-m slow`` runs the full grid.
+and filter at least once (gapped sibling ranks through StaticTree and the
+acceptance function directly); ``-m slow`` runs the full grid.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 
 import specgraft as sg
 import specgraft.infer.generator as generator_module
-from specgraft.infer.sampling import SamplingPolicy
+from specgraft.infer.sampling import Sampler, SamplingPolicy
 from specgraft.infer.exactness import fit
-from specgraft.infer.verify import Acceptance
+from specgraft.infer.verify import Acceptance, sample_accept
 from markov_lm import exact_distribution, markov_target
 
 VOCAB = 6
@@ -47,6 +48,12 @@ DRAFTERS = {
     ),
     "prompt lookup": lambda: (sg.PromptLookup(max_ngram=2, num_tokens=3), None),
 }
+# Sibling ranks with gaps at both depths, for every draw kind (a sampled rank only orders its siblings).
+GAPPED = [[1], [3], [1, 0], [1, 2], [3, 1]]
+for _draw in ("top-k", "sample", "sample-without-replacement"):
+    DRAFTERS[f"draft-model gapped tree, {_draw}"] = lambda draw=_draw: (
+        sg.DraftModel(DRAFT, TARGET), sg.StaticTree(GAPPED, draw=draw)
+    )
 FILTERS = {"no filter": {}, "top-k 3": {"top_k": 3}, "top-p 0.8": {"top_p": 0.8}}
 TEMPERATURES = (0.5, 1.0, 1.5)
 
@@ -67,7 +74,8 @@ def exact(temperature: float, filters: dict) -> dict:
     return exact_distribution(TARGET.model, PROMPT, LENGTH, policy.probs)
 
 
-# Every drafter, temperature and filter appears at least once in the default run.
+# Every drafter, temperature and filter appears at least once in the default run; gapped trees run
+# through the engine only under -m slow (test_gapped_ranks_... covers them by default).
 DEFAULT_GRID = [
     ("draft-model sampled chain", 1.0, "top-p 0.8"),
     ("draft-model top-k tree", 0.5, "top-k 3"),
@@ -99,6 +107,35 @@ def test_plain_sampling_follows_the_target_distribution():
     counts = Counter(tuple(gen.generate(PROMPT, max_new_tokens=LENGTH, temperature=1.0).token_ids) for _ in range(5000))
     result = fit(counts, exact(1.0, {}))
     assert result.passed, str(result)
+
+
+# Sibling ranks with gaps, drawn without replacement, through StaticTree and sample_accept directly.
+# Before the fix, [[1]] kept the second of two distinct draws but verified it as if drawn from q:
+# the first committed token was off p by TV 0.032 ([[1]]) and 0.028 ([[0], [2]]), far beyond
+# the bound at 20,000 draws (0.019).
+GAP_Q = torch.tensor([0.4, 0.3, 0.2, 0.1])  # the drafter's q at the root
+GAP_P = torch.tensor([0.1, 0.2, 0.3, 0.4])  # the target's p at the root: what the first token must follow
+GAP_DRAWS = 20_000
+
+
+def first_committed_tokens(choices: list[list[int]], draw: str, n: int = GAP_DRAWS) -> Counter:
+    """The first token each of n verification steps commits, q and p fixed at every node."""
+    generator = torch.Generator().manual_seed(5)
+    sampler = Sampler(SamplingPolicy(temperature=1.0), generator)  # probs(log q) = q
+    policy = sg.StaticTree(choices, draw=draw)
+    counts: Counter = Counter()
+    for _ in range(n):
+        tree = policy.grow(lambda tree, frontier: GAP_Q.log().expand(len(frontier), -1), root_token=0, sampler=sampler)
+        result = sample_accept(tree, GAP_P.expand(tree.num_nodes, -1), generator)
+        first = int(tree.tokens[result.path[1]]) if len(result.path) > 1 else result.next_token
+        counts[(first,)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("choices", [[[1]], [[0], [2]]])
+def test_gapped_ranks_drawn_without_replacement_commit_tokens_from_p(choices):
+    result = fit(first_committed_tokens(choices, "sample-without-replacement"), {(t,): float(GAP_P[t]) for t in range(4)})
+    assert result.passed, f"StaticTree({choices}, sample-without-replacement): {result}"
 
 
 def _accept_without_ratio(tree, p, generator) -> Acceptance:

@@ -155,7 +155,8 @@ class StaticTree:
     listed too. When sampling, ``draw`` says how the children of a node are
     chosen: ``top-k`` (default; point masses), ``sample`` or
     ``sample-without-replacement`` (as many draws from q as the shape has
-    children there).
+    children there). Sampled ranks only order a node's children: its m
+    listed ranks take its first m draws, so ``[[1]]`` draws like ``[[0]]``.
     """
 
     choices: tuple[tuple[int, ...], ...]
@@ -220,17 +221,30 @@ class StaticTree:
         sampler: DraftSampler | None = None,
     ) -> Tree:
         builder = TreeBuilder(root_token, device)
-        builder.without_replacement = sampler is not None and self.draw == "sample-without-replacement"
+        sampled = sampler is not None and self.draw != "top-k"
+        builder.without_replacement = sampled and self.draw == "sample-without-replacement"
         node_of: dict[tuple[int, ...], int] = {(): 0}
         for level in self._levels[: max_depth if max_depth is not None else None]:
+            # A parent whose q had fewer tokens than draws (without replacement) was never added, nor its subtree.
+            level = [(parent, ranks) for parent, ranks in level if parent in node_of]
+            if not level:
+                break
             frontier = torch.tensor([node_of[parent] for parent, _ in level], device=device)
-            k = max(max(ranks) for _, ranks in level) + 1
+            # Which of a parent's k picks each listed rank keeps. Top-k picks are point masses: rank r is
+            # the (r+1)-th most likely token, gaps and all. Sampled picks are verified in draw order, the
+            # i-th against q less the siblings drawn before it (without replacement; q itself with it). A
+            # draw kept behind a dropped one came from q less the dropped token as well, which the rule
+            # never sees, so a parent's m sampled children are its first m draws, ranks in order.
+            slots = [range(len(ranks)) if sampled else ranks for _, ranks in level]
+            k = max(max(s) for s in slots) + 1
             picked = pick_children(step(builder.tree(), frontier), k, self.draw, sampler)  # (F, <=k)
             keep = torch.zeros_like(picked.tokens, dtype=torch.bool)
-            for row, (_, ranks) in enumerate(level):
-                keep[row, [r for r in ranks if r < keep.shape[1]]] = True
-            idx = builder.add_picked(frontier, picked, keep)
-            kept_paths = [parent + (r,) for parent, ranks in level for r in ranks if r < keep.shape[1]]
+            for row, s in enumerate(slots):
+                keep[row, [j for j in s if j < keep.shape[1]]] = True
+            idx = builder.add_picked(frontier, picked, keep)  # parents first, draws in order within a parent
+            kept_paths = [
+                parent + (r,) for (parent, ranks), s in zip(level, slots) for r, j in zip(ranks, s) if j < keep.shape[1]
+            ]
             node_of.update(zip(kept_paths, idx.tolist()))
         return builder.tree()
 
