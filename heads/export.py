@@ -38,9 +38,10 @@ from safetensors.torch import load_file, save_file
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, umask_mode
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
+from specgraft.flags import EXPORT_FORMATS as FORMATS
+from specgraft.flags import add_export_arguments as add_export_arguments
 from specgraft.model import Target
 
-FORMATS = ("vllm", "sglang", "eagle", "medusa")
 SUPPORTED = {
     "eagle3": ("vllm", "sglang", "eagle"),
     "eagle": ("vllm", "sglang", "eagle"),
@@ -504,15 +505,6 @@ def _readme(head_cfg, signature, cfg, fmt, out: Path) -> str:
 
 
 # -- command line (wired by specgraft/cli.py) -----------------------------------------------------
-
-
-def add_export_arguments(parser) -> None:
-    parser.add_argument("head_dir", help="a specgraft head directory (config.json + model.safetensors)")
-    parser.add_argument("out_dir", help="new or empty output directory")
-    parser.add_argument("--to", required=True, choices=FORMATS, dest="fmt",
-                        help="vllm, sglang, eagle (official EAGLE repo) or medusa (Medusa repo)")
-    parser.add_argument("--target", default=None,
-                        help="target path or hub id whose config EAGLE draft layers copy (default: the head's own)")
 
 
 def export_main(args) -> int:

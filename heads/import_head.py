@@ -25,9 +25,10 @@ from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.heads.export import UNSUPPORTED_VARIANTS
+from specgraft.flags import IMPORT_FORMATS
+from specgraft.flags import add_import_arguments as add_import_arguments
 from specgraft.model import Target
 
-IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
 WEIGHT_FILES = {  # in the order the official loaders look for them
     "eagle": ("pytorch_model.bin", "model.safetensors"),
     "eagle3": ("pytorch_model.bin", "model.safetensors"),
@@ -232,15 +233,6 @@ def import_head(src: str | Path, fmt: str, out_dir: str | Path, target: Target) 
 
 
 # -- command line (wired by specgraft/cli.py) -----------------------------------------------------
-
-
-def add_import_arguments(parser) -> None:
-    parser.add_argument("src_dir", help="checkpoint directory: official EAGLE / EAGLE-3 / Medusa layout or an engine export")
-    parser.add_argument("out_dir", help="where to write the specgraft head")
-    parser.add_argument("--format", required=True, choices=IMPORT_FORMATS, dest="fmt")
-    parser.add_argument("--target", required=True, help="target model directory or hub id")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
 
 
 def import_main(args) -> int:

@@ -56,7 +56,8 @@ from specgraft.infer.prompts import BenchPrompt, read_prompt_file
 from specgraft.infer.prompts import encode_prompt as encode_prompt
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
-from specgraft.threads import apply_threads, parse_threads
+from specgraft.flags import add_bench_arguments as add_bench_arguments
+from specgraft.threads import apply_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
 
 SWEEP_KEYS = ("depth", "top_k", "budget")
@@ -408,47 +409,6 @@ def expand_sweep(spec: Sequence[str], base_tree: TreePolicy) -> list[tuple[str, 
 
 
 # ---------------------------------------------------------------------------------------------- command line
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of ``specgraft bench``."""
-    parser.add_argument("--target", help="target model directory or hub id (offline bench)")
-    parser.add_argument("--server", metavar="URL",
-                        help="bench a running `specgraft serve` at URL instead (see specgraft.infer.bench_server)")
-    parser.add_argument("--concurrency", default="1,4,16,64", help="with --server: concurrent requests per level")
-    parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
-    parser.add_argument("--batch-size", default=None, metavar="B1,B2,...",
-                        help="offline: run each method with that many prompts at a time through the scheduler "
-                        "(e.g. 1,2,4,8,16): total and per-request throughput, TTFT and ITL, and where speculation "
-                        "stops paying (see specgraft.infer.bench_batch); plain decoding always runs")
-    parser.add_argument(
-        "--drafter", action="append", default=[],
-        help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
-        "directory (repeatable; each is crossed with each --tree). With --server: the one drafter NAME the "
-        "requests ask for when speculation is on (default 'auto', the server's default)",
-    )
-    parser.add_argument("--tree", action="append", default=[], help="'chain:N', 'static:FILE.json' or "
-                        "'dynamic:TOP_K,DEPTH,BUDGET' (repeatable; default chain:5). prompt-lookup ignores trees")
-    parser.add_argument(
-        "--method", nargs=2, action="append", default=[], metavar=("DRAFTER", "TREE"),
-        help="one drafter with one tree, not crossed with the others (repeatable), e.g. "
-        "--method runs/medusa/head static:tree.json --method runs/eagle/head dynamic:8,6,48",
-    )
-    parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-bench / HumanEval / GSM8K jsonl(.gz), or text")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    parser.add_argument("--baselines", default="plain,hf", help=f"comma list of {', '.join(BASELINE_KINDS)}")
-    parser.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
-                        help="e.g. depth=3,5,7 (chain) or top_k=4,8 budget=16,32,64 (dynamic); crossed with each --tree")
-    parser.add_argument("--out", required=True, help="directory for results.json, results.md and plots")
-    parser.add_argument("--json", action="store_true", help="print results.json to stdout")
-    parser.add_argument("--threads", type=parse_threads, default="auto",
-                        help="torch threads, pinned for the whole run: 'auto' (default) picks from the target's size "
-                        "and this machine (`specgraft.threads`; the choice is reported), or a count")
-    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    return parser
 
 
 def parse_batch_sizes(spec: str) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from specgraft.flags import BASELINE_KINDS
 from specgraft.heads.base import Drafter
 from specgraft.infer.generator import SpeculativeGenerator
 from specgraft.infer.stats import GenerationStats, percentile
@@ -25,7 +26,6 @@ from specgraft.tree import TreePolicy
 STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))
 # What a streamer can see of HF generate: chunk sizes and their times. Not draft tokens, not the KV cache.
 HF_NOT_MEASURED = ("draft_tokens_per_token", "kv_cache_tokens_peak")
-BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
 # HF prompt lookup: tokens copied per match. 10 is the value in transformers' docs and the PLD paper's repo.
 HF_PLD_NUM_TOKENS = 10
 # Neutral values for the generation_config fields that change greedy output, so a model's shipped

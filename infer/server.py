@@ -30,6 +30,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from specgraft.flags import PROMPT_LOOKUP
+from specgraft.flags import add_serve_arguments as add_serve_arguments
 from specgraft.heads import PromptLookup, drafter_from_spec, load_drafter
 from specgraft.heads.base import Drafter
 from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
@@ -54,7 +56,6 @@ from specgraft.model import Target
 from specgraft.tree import Chain, StaticTree, TreePolicy, parse_tree_spec
 from specgraft.tree.policies import tree_from_spec
 
-PROMPT_LOOKUP = "prompt-lookup"
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
 DISCONNECT_POLL_S = 0.5  # how often a request that has no token yet checks that its client is still there
 
@@ -455,27 +456,6 @@ def speculative_stats(job: Job, stats: GenerationStats) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--target", required=True, help="target model directory or hub id")
-    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=HEAD_DIR",
-                        help="a drafter requests may pick by NAME (repeatable); 'none' and 'prompt-lookup' always exist")
-    parser.add_argument("--default-drafter", default=PROMPT_LOOKUP,
-                        help="drafter of requests without 'speculative' (a --drafter NAME, 'prompt-lookup' or 'none')")
-    parser.add_argument("--tree", default="chain:5", help="default tree: 'chain:K', 'static:FILE.json', 'dynamic:TOP_K,DEPTH,BUDGET'")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="most generations running at once")
-    parser.add_argument("--max-queue", type=int, default=256, help="most generations waiting; more get 503 + Retry-After")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds SIGTERM waits for in-flight requests before aborting them")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    return parser
-
-
 def parse_drafter_flags(flags: list[str]) -> dict[str, str]:
     """``NAME=HEAD_DIR`` flags -> {name: dir}; names are unique and not reserved, directories exist."""
     named: dict[str, str] = {}
@@ -493,7 +473,6 @@ def parse_drafter_flags(flags: list[str]) -> dict[str, str]:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
-    import torch
     import uvicorn
 
     import specgraft as sg
@@ -502,9 +481,7 @@ def serve_main(args: argparse.Namespace) -> int:
     tree = parse_tree_spec(args.tree)
     if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
         raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     drafters = {name: drafter_from_spec(path, target) if path == "self" else load_drafter(path, target)
                 for name, path in named.items()}
     app = create_app(

@@ -13,8 +13,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from specgraft import flags
 from specgraft.threads import parse_threads
 
 DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
@@ -267,6 +268,21 @@ def _module_flags(module: str, add_arguments: str, run: str) -> Callable[[argpar
     return add
 
 
+def _heavy_command(add_arguments: Callable[[argparse.ArgumentParser], Any], module: str, run: str):
+    """Flags from `specgraft.flags` (argparse only); the module that runs the command is imported only to run it."""
+
+    def runner(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), run)(args)
+
+    runner.__name__ = runner.__qualname__ = run  # reads as the entry point it stands for
+
+    def add(cmd: argparse.ArgumentParser) -> None:
+        add_arguments(cmd)
+        cmd.set_defaults(func=runner)
+
+    return add
+
+
 # name -> (help, adds the command's flags and sets its func)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "generate": ("generate text with a target and a drafter", _generate_flags),
@@ -281,13 +297,13 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "quickstart": ("offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark",
                    _module_flags("specgraft.quickstart", "add_quickstart_arguments", "quickstart_main")),
     "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format",
-               _module_flags("specgraft.heads.export", "add_export_arguments", "export_main")),
+               _heavy_command(flags.add_export_arguments, "specgraft.heads.export", "export_main")),
     "import-head": ("read an official EAGLE, EAGLE-3 or Medusa checkpoint",
-                    _module_flags("specgraft.heads.import_head", "add_import_arguments", "import_main")),
+                    _heavy_command(flags.add_import_arguments, "specgraft.heads.import_head", "import_main")),
     "bench": ("benchmark drafters and trees against baselines in one interleaved run",
-              _module_flags("specgraft.infer.bench", "add_bench_arguments", "bench_main")),
+              _heavy_command(flags.add_bench_arguments, "specgraft.infer.bench", "bench_main")),
     "serve": ("an OpenAI-compatible server with continuous batching",
-              _module_flags("specgraft.infer.server", "add_serve_arguments", "serve_main")),
+              _heavy_command(flags.add_serve_arguments, "specgraft.infer.server", "serve_main")),
 }
 
 
