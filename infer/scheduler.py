@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from specgraft.infer.stopping import StopRule
-from specgraft.tree import batched_tree_inputs
-
 from specgraft.model import TREE_SLOTS
+from specgraft.tree import batched_tree_inputs
 
 if TYPE_CHECKING:
     from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator

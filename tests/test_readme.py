@@ -105,23 +105,35 @@ def scratch_repository(root: Path) -> Path:
     return repo
 
 
+def assert_no_bare_commands(commands: str) -> None:
+    """The set-up never activates the venv: a bare specgraft fails, a bare pip or python runs outside it
+    (and, in this test, would install into the machine's own Python)."""
+    bare = re.search(r"(^|[;&|]\s*|\n\s*)(specgraft|pip3?|python3?) ", commands)
+    assert bare is None, f"bare `{bare.group(2)}` in a block the README test runs: spell it .venv/bin/{bare.group(2)}"
+
+
 def test_blocks_are_found_and_the_setup_comes_first():
     text = (REPO / "README.md").read_text()
     blocks = runnable_blocks(text)
     commands = " ".join(code for _, code in blocks)
     assert "specgraft train recipes/tiny/eagle-stories260k.yaml" in commands
     assert commands.index("specgraft train recipes/tiny/eagle") < commands.index("runs/eagle-stories260k/head")
-    assert not re.search(r"(^|[;&|]\s*|\n\s*)specgraft ", commands), "bare `specgraft`: the set-up never activates the venv"
+    assert_no_bare_commands(commands)
+    for leak in ("pip install -e '.[gguf]'", "cd x && python run.py", "specgraft train c.yaml"):
+        with pytest.raises(AssertionError, match="bare"):
+            assert_no_bare_commands(leak)
     with pytest.raises(ValueError, match="must be the set-up"):
         runnable_blocks("```bash\nspecgraft generate\n```\n")
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason=f"../shared assets are absent ({STORIES} not found)")
 def test_every_readme_command_runs_in_order(tmp_path):
+    blocks = runnable_blocks((REPO / "README.md").read_text())
+    assert_no_bare_commands(" ".join(code for _, code in blocks))  # checked before anything runs
     repo = scratch_repository(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env |= {"XDG_CACHE_HOME": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    for number, (lang, code) in enumerate(runnable_blocks((REPO / "README.md").read_text()), start=1):
+    for number, (lang, code) in enumerate(blocks, start=1):
         if lang == "python":
             code = code.replace("max_new_tokens=128", "max_new_tokens=8")
             (repo / f"readme_block_{number}.py").write_text(code)
