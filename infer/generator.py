@@ -10,22 +10,19 @@ second loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from specgraft.heads.base import Drafter, DraftState
 from specgraft.infer.detokenize import Detokenizer
 from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free, make_generator
+from specgraft.infer.scheduler import Scheduler, per_prompt_options
 from specgraft.infer.stats import GenerationStats, StatsRecorder
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, greedy_accept, sample_accept, typical_accept
-from specgraft.model import StaticKVCache
-from specgraft.model import KVCache, Target
+from specgraft.model import KVCache, StaticKVCache, Target
 from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
-
-if TYPE_CHECKING:
-    from specgraft.infer.scheduler import Scheduler
 
 Prompt = str | Sequence[int] | torch.Tensor
 
@@ -97,8 +94,6 @@ class SpeculativeGenerator:
 
     def scheduler(self, max_batch_size: int = 16, max_len: int | None = None) -> Scheduler:
         """A continuous-batching scheduler over this generator's target, drafter and tree (see `Scheduler`)."""
-        from specgraft.infer.scheduler import Scheduler
-
         return Scheduler(self, max_batch_size=max_batch_size, max_len=max_len)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int] = 128, **options) -> list[GenerationOutput]:
@@ -107,8 +102,6 @@ class SpeculativeGenerator:
         Each option (as `generate` takes them) is one value for every prompt or a
         list with one value per prompt; see `per_prompt_options`.
         """
-        from specgraft.infer.scheduler import per_prompt_options
-
         sched = self.scheduler(max_batch_size=max(1, len(prompts)))
         handles = [
             sched.submit(prompt, **opts)
