@@ -157,10 +157,18 @@ def with_random_head(target, kind: str):
     return sg.SpeculativeGenerator(target, as_drafter(head, target), tree=tree)
 
 
-@pytest.mark.parametrize("kind", ["plain", "prompt_lookup", "self_tree", "eagle_dynamic", "medusa_static"])
-def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind):
+@pytest.mark.parametrize(
+    "kind", ["plain", "prompt_lookup", "self_tree", "trained_eagle_dynamic", "eagle_dynamic", "medusa_static"]
+)
+def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind, request):
     prompts, budgets, eos, stops = eight
-    gen = make(stories, kind) if kind in ("plain", "prompt_lookup", "self_tree") else with_random_head(stories, kind)
+    if kind == "trained_eagle_dynamic":  # conftest's tiny trained head: deep accepted paths in every row
+        head = sg.load_drafter(request.getfixturevalue("trained_eagle"), stories)
+        gen = sg.SpeculativeGenerator(stories, head, tree=sg.DynamicTree(top_k=4, depth=5, budget=16))
+    elif kind in ("plain", "prompt_lookup", "self_tree"):
+        gen = make(stories, kind)
+    else:
+        gen = with_random_head(stories, kind)
     eos_opts = [() if e is None else e for e in eos]
     outs = gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=eos_opts, stop=stops)
     for i, out in enumerate(outs):
@@ -173,6 +181,9 @@ def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind):
         else:
             assert out.token_ids == ref, f"row {i}"
     assert len(outs[2].token_ids) < budgets[2] and len(outs[4].token_ids) < budgets[4]  # really ended early
+    if kind == "trained_eagle_dynamic":
+        taus = sorted(round(out.stats.mean_accepted_length, 2) for out in outs)
+        assert taus[len(taus) // 2] > 2.0, taus  # the head really drafts: deep paths accepted in most rows
 
 
 def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(prompts):

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 import specgraft as sg
-from specgraft.heads import build_head, load_drafter, save_head
-from specgraft.heads.configs import EagleConfig
+from specgraft.heads import load_drafter
 from specgraft.infer.server import chat_prompt_ids, create_app
 
 from conftest import STORIES, needs_shared
@@ -32,11 +31,9 @@ BOOM_TOKEN = 511  # a token id no dev prompt holds: the Boom drafter fails on pr
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(stories, tmp_path_factory):
-    """A tiny EAGLE head with random weights: drafts badly, yet greedy output stays the target's (lossless)."""
-    out = tmp_path_factory.mktemp("eagle")
-    save_head(build_head(EagleConfig(), stories), out, stories)
-    return out
+def eagle_dir(trained_eagle):
+    """A tiny trained EAGLE head (conftest's `trained_eagle`): it drafts well, and greedy output stays the target's."""
+    return trained_eagle
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +294,7 @@ def test_a_client_gone_before_a_whole_answer_has_its_generation_cancelled(server
 
     before, _ = counts()
     slow = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True,
-            "speculative": {"drafter": "eagle", "tree": "dynamic:8,6,48"}}  # a random head: seconds of work
+            "speculative": {"drafter": "eagle", "tree": "dynamic:8,6,48"}}  # a tiny head: seconds of work
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=slow, timeout=httpx.Timeout(10, read=0.3))
     deadline = time.monotonic() + 10
