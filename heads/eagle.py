@@ -31,8 +31,22 @@ from specgraft.model import KVCache, Target, cache_keyword
 from specgraft.tree import additive_mask
 
 
+# What a Llama draft layer is sized from; GPT-2-style configs name them otherwise (n_embd, n_inner).
+LAYER_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings", "vocab_size")
+
+
 def layer_config(target_config, num_layers: int) -> LlamaConfig:
-    """A Llama config for the draft layers, sized like the target (head_dim read, never derived)."""
+    """A Llama config for the draft layers, sized like the target (head_dim read, never derived).
+
+    Raises:
+        ValueError: the target's config lacks a size a Llama layer needs (naming it).
+    """
+    missing = [key for key in LAYER_SIZE_KEYS if getattr(target_config, key, None) is None]
+    if missing:
+        raise ValueError(
+            f"{type(target_config).__name__} has no {', '.join(missing)}: an EAGLE draft layer is a Llama layer "
+            "sized from the target's config; use a Medusa head for this target"
+        )
     head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None) or {
         "rope_type": "default",

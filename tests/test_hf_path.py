@@ -126,6 +126,12 @@ def test_eagle_runs_on_most_families():
     assert fits == [arch for arch in NON_LLAMA_ARCHS if arch != "gpt2"]
 
 
+def test_an_eagle_head_for_a_config_it_cannot_size_is_refused_by_name():
+    target = sg.load_target(_hf_path_model("gpt2"))
+    with pytest.raises(ValueError, match="GPT2Config has no intermediate_size.*use a Medusa head"):
+        build_head(EagleConfig(), target)
+
+
 # -- stories260K on Hugging Face's forward ---------------------------------------------------------
 
 
