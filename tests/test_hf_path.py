@@ -22,6 +22,7 @@ import transformers
 from torch import nn
 from conftest import NON_LLAMA_ARCHS, STORIES, tiny_causal_lm
 from test_architectures import STATIC_TREE, VOCAB, _check, greedy_references
+from test_engine_api import hf_generate
 from test_greedy_identity import BRANCHING_TREE, _mismatches
 from transformers import GPT2LMHeadModel, RwkvConfig, RwkvForCausalLM
 
@@ -143,14 +144,7 @@ def stories_hf(dev_prompts):
     target = sg.load_target(STORIES, fast=False)
     assert target.fast is None
     prompt_ids = [target.encode(p) for p in dev_prompts[:STORIES_PROMPTS]]
-    refs = []
-    for ids in prompt_ids:
-        x = torch.tensor([ids])
-        out = target.model.generate(
-            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=STORIES_NEW_TOKENS
-        )
-        refs.append(out[0, len(ids):].tolist())
-    return target, prompt_ids, refs
+    return target, prompt_ids, [hf_generate(target, ids, STORIES_NEW_TOKENS) for ids in prompt_ids]
 
 
 def _stories_sweep(target: sg.Target, drafter: sg.Drafter | None, prompt_ids, tree=None) -> list[list[int]]:
