@@ -15,7 +15,7 @@ from conftest import STORIES, filled_cache, tiny_causal_lm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import specgraft as sg
-from specgraft.model import FastLlama, StaticKVCache, unsupported_reason
+from specgraft.model import FastLlama, StaticKVCache, fast_llama, unsupported_reason
 from specgraft.model import KVCache, Target
 from specgraft.tree import additive_mask
 
@@ -102,12 +102,16 @@ def _model(name: str):
     return tiny_causal_lm(name, vocab_size=VOCAB, seed=1)
 
 
-CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3"]
+CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "llama-small-rows", "qwen2-small-rows"]
 
 
 @pytest.fixture(params=CASES)
-def pair(request) -> Pair:
-    return Pair(_model(request.param))
+def pair(request, monkeypatch) -> Pair:
+    name = request.param
+    if name.endswith("-small-rows"):  # the tiny weights take the transposed product real models take
+        monkeypatch.setattr(fast_llama, "SMALL_ROWS_MIN_WEIGHTS", 0)
+        name = name.removesuffix("-small-rows")
+    return Pair(_model(name))
 
 
 def _ids(pair: Pair, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -146,6 +150,33 @@ def test_tree_with_4d_mask_matches_hf(pair):
     mask = tree_mask(24, TREE_PARENTS, pair.fast.dtype)
     positions = (24 + tree_depths(TREE_PARENTS))[None]
     assert pair.forward(_ids(pair, len(TREE_PARENTS), seed=2), positions, mask) < TOL
+
+
+@pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 0], [-1, 0, 1, 1]], ids=["2", "3", "4"])
+def test_trees_of_two_to_four_nodes_match_hf(pair, parents):
+    """2-4 rows: sizes `fast_llama.linear` computes as ``weight @ x.T`` on CPU (1 row is every decode step)."""
+    pair.forward(_ids(pair, 24), torch.arange(24)[None])
+    mask = tree_mask(24, parents, pair.fast.dtype)
+    positions = (24 + tree_depths(parents))[None]
+    assert pair.forward(_ids(pair, len(parents), seed=2), positions, mask) < TOL
+    assert pair.kv_difference() < TOL
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear_and_takes_the_transposed_product_up_to_four_rows(rows, bias, monkeypatch):
+    torch.manual_seed(rows)
+    weight = torch.randn(300, 256)  # 76,800 weights: above SMALL_ROWS_MIN_WEIGHTS
+    b = torch.randn(300) if bias else None
+    x = torch.randn(1, rows, 256)
+    want = torch.nn.functional.linear(x, weight, b)
+    calls = []
+    real = fast_llama.F.linear
+    monkeypatch.setattr(fast_llama.F, "linear", lambda *a: calls.append(a) or real(*a))
+    got = fast_llama.linear(x, weight, b)
+    assert got.shape == want.shape == (1, rows, 300) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert len(calls) == (0 if rows <= fast_llama.SMALL_ROWS else 1)
 
 
 def test_decoding_after_keep_of_a_non_contiguous_path_matches_hf(pair):

@@ -127,6 +127,37 @@ def _layer(layer: nn.Module) -> _Layer:
     )
 
 
+# On CPU, BLAS runs ``x @ W.T`` for 2-4 rows at up to 3x the time of one row (MKL here: the 49K x 576
+# lm_head takes 6.7 ms for 1 row, 13.4 ms for 2, 10.6 ms for 4), while ``W @ x.T`` reads the weights once
+# for all rows, faster for 2 or 4 columns than for 1 or 3 (4.5 ms for 2, 5.2 ms for 4).
+# benchmarks/small_gemm.py measures both; benchmarks/cost_curve.py the whole forward (SmolLM2-135M,
+# 1 thread: T(2)/T(1) 1.57 -> 1.02, T(4)/T(1) 1.47 -> 1.15, and T(1) itself 7% lower).
+SMALL_ROWS = 4
+# Below this many weights (256 KiB in float32) a product is compute-bound in cache and the extra copies of
+# the transposed form cost more than they save (stories260K: T(2)/T(1) is 1.10 with F.linear, 1.47 with it).
+SMALL_ROWS_MIN_WEIGHTS = 1 << 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (x (..., K) @ weight (N, K).T + bias), as ``weight @ x.T`` for up to SMALL_ROWS rows on CPU.
+
+    Why: verifying a few draft tokens should cost about one token, as reading the
+    weights dominates; with the plain GEMM it costs 1.5-2x on this kind of CPU.
+    Results agree with ``F.linear`` within float32 rounding (another summation order).
+    """
+    rows = x.numel() // x.shape[-1]
+    if not 1 <= rows <= SMALL_ROWS or weight.numel() < SMALL_ROWS_MIN_WEIGHTS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])  # (rows, K)
+    if rows % 2:  # an odd column count is slower than one more: pad with a zero row
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    # contiguous: SDPA's fused CPU kernel and the next product want row-major rows.
+    out = torch.mm(weight, flat.t()).t()[:rows].contiguous()  # (rows, N)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, round to the input dtype, then scale."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -229,7 +260,7 @@ class FastLlama:
             states[self.num_layers] = x
         if last_only:
             x = x[:, -1:]
-        logits = F.linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
+        logits = linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
         return logits, {i: states[i % count] for i in hidden_layers}
 
     def run_layers(
@@ -284,9 +315,9 @@ class FastLlama:
         No residual is added.
         """
         b, t, _ = h.shape
-        q = F.linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
-        k = F.linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = F.linear(h, layer.v, layer.v_bias).view(b, t, self.kv_heads, self.head_dim)
+        q = linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = linear(h, layer.v, layer.v_bias).view(b, t, self.kv_heads, self.head_dim)
         if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q = rms_norm(q, layer.q_norm, self.eps)
             k = rms_norm(k, layer.k_norm, self.eps)
@@ -301,12 +332,12 @@ class FastLlama:
             q, keys, values, attn_mask=step.mask, is_causal=step.causal, scale=self.scale, enable_gqa=gqa
         )  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, Hq * D)
-        return F.linear(out, layer.o, layer.o_bias)  # (B, T, H)
+        return linear(out, layer.o, layer.o_bias)  # (B, T, H)
 
     def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Layer's SiLU MLP on its (B, T, H) normed input -> (B, T, H); no residual is added."""
-        gate = F.silu(F.linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
-        return F.linear(gate * F.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
+        gate = F.silu(linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
+        return linear(gate * linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at each position, (B, T, 1, D), from the model's own rotary module.

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Few-row products on CPU: ``F.linear(x, W)`` against ``W @ x.T``, with the weights streamed from memory.
+
+Why: verifying n draft tokens multiplies n rows by every weight of the target.
+Reading the weights dominates on CPU, so n rows should cost about one row, but
+the BLAS here runs ``x @ W.T`` for 2-4 rows at 1.5-3x the one-row time and
+``W @ x.T`` at about the one-row time. `specgraft.model.fast_llama.linear`
+takes the second form for 2 to SMALL_ROWS rows; this measures the choice on
+the machine at hand. Each shape cycles through enough copies of the weight to
+defeat the caches, as a 30-layer forward does.
+
+    python benchmarks/small_gemm.py --threads 1 --rows 1 2 3 4 5 6 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+# SmolLM2-135M's projections (out, in): gate/up, down, q/o, k/v, lm_head
+SHAPES = [(1536, 576), (576, 1536), (576, 576), (192, 576), (49152, 576)]
+STREAMED_BYTES = 200 << 20  # each shape cycles through this many bytes of weight copies
+
+
+def per_call_ms(fn, weights: list[torch.Tensor], repeats: int) -> float:
+    for w in weights[:2]:
+        fn(w)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for w in weights:
+            fn(w)
+    return (time.perf_counter() - start) / (repeats * len(weights)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"| weight (out x in) | rows | F.linear ms | W @ x.T ms |\n|---|---|---|---|")
+    for out_f, in_f in SHAPES:
+        copies = max(1, STREAMED_BYTES // (out_f * in_f * 4))
+        weights = [torch.randn(out_f, in_f) for _ in range(copies)]
+        for rows in args.rows:
+            x = torch.randn(rows, in_f)
+            plain = per_call_ms(lambda w: F.linear(x, w), weights, args.repeats)
+            transposed = per_call_ms(lambda w: (w @ x.t()).t().contiguous(), weights, args.repeats)
+            print(f"| {out_f} x {in_f} | {rows} | {plain:.3f} | {transposed:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
