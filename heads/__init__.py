@@ -13,6 +13,7 @@ from torch import nn
 
 from specgraft.heads.base import Drafter, TrainableHead, TrainBatch
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, save_head
+from specgraft.heads.composite import Composite
 from specgraft.heads.configs import DistillConfig, Eagle3Config, EagleConfig, HeadConfig, MedusaConfig
 from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
@@ -23,6 +24,7 @@ from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
+from specgraft.flags import COMPOSITE_PREFIX
 from specgraft.model import Target
 
 
@@ -81,19 +83,29 @@ def load_drafter(path: str | Path, target: Target) -> Drafter:
 
 
 def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
-    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself) or a directory."""
+    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself), a directory,
+    or ``prompt-lookup+`` followed by one of the last two (`Composite`; the lookup takes one match, so the tree
+    keeps the size its policy gives it)."""
     if spec == "none":
         return None
     if spec == "prompt-lookup":
         return PromptLookup()
     if spec == "self":
         return DraftModel(target, target)
+    if spec.startswith(COMPOSITE_PREFIX):
+        then = drafter_from_spec(spec.removeprefix(COMPOSITE_PREFIX), target)
+        if then is None or isinstance(then, (PromptLookup, Composite)):
+            raise ValueError(f"drafter {spec!r}: after 'prompt-lookup+' comes 'self' or a drafter directory")
+        return Composite(PromptLookup(max_matches=1), then)
     if not Path(spec).expanduser().is_dir():
-        raise FileNotFoundError(f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self' or a drafter directory")
+        raise FileNotFoundError(
+            f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', a drafter directory or 'prompt-lookup+' and one of the last two"
+        )
     return load_drafter(spec, target)
 
 
 __all__ = [
+    "Composite",
     "DistilledDraft",
     "DraftModel",
     "Drafter",

@@ -56,6 +56,7 @@ from specgraft.infer.prompts import BenchPrompt, read_prompt_file
 from specgraft.infer.prompts import encode_prompt as encode_prompt
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
+from specgraft.flags import COMPOSITE_PREFIX, NAMED_DRAFTERS, check_drafter_spec
 from specgraft.flags import add_bench_arguments as add_bench_arguments
 from specgraft.threads import apply_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
@@ -443,16 +444,22 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
 
 
 def _check_drafter_spec(spec: str) -> None:
-    if spec not in ("prompt-lookup", "self") and not Path(spec).expanduser().is_dir():
-        raise FileNotFoundError(
-            f"--drafter {spec!r}: expected 'prompt-lookup', 'self', or a draft-model / head directory (not found)"
-        )
+    if spec == "none":
+        raise ValueError("--drafter none: plain decoding is the 'plain' baseline here (--baselines plain)")
+    check_drafter_spec(spec)
 
 
 def build_drafter(spec: str, target: Target) -> Drafter:
     """A drafter from a --drafter value (see `specgraft.heads.drafter_from_spec`); ``none`` is a baseline here."""
     _check_drafter_spec(spec)
     return drafter_from_spec(spec, target)
+
+
+def spec_label(spec: str) -> str:
+    """A --drafter value's name in tables: named drafters as given, directories by `drafter_label`."""
+    if spec.startswith(COMPOSITE_PREFIX):
+        return COMPOSITE_PREFIX + spec_label(spec.removeprefix(COMPOSITE_PREFIX))
+    return spec if spec in NAMED_DRAFTERS else drafter_label(Path(spec))
 
 
 def drafter_label(path: Path) -> str:
@@ -471,7 +478,7 @@ def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], targ
     def labelled(spec: str) -> tuple[str, Drafter]:
         if spec not in drafters:
             drafters[spec] = build_drafter(spec, target)
-        return (spec if spec in ("prompt-lookup", "self") else drafter_label(Path(spec))), drafters[spec]
+        return spec_label(spec), drafters[spec]
 
     methods: list[MethodSpec] = []
     for spec in args.drafter:

@@ -16,14 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specgraft import flags
+from specgraft.flags import DRAFTER_HELP, check_drafter_spec
 from specgraft.threads import parse_threads
 
 DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
-DRAFTER_HELP = (
-    "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), a trained head directory "
-    "(e.g. runs/eagle-stories260k/head from `specgraft train`), or a small causal LM's directory sharing the "
-    "target's tokenizer"
-)
 TREE_HELP = (
     "'chain:DEPTH', 'static:FILE.json' (Medusa-style paths of sibling ranks), 'dynamic:TOP_K,DEPTH,BUDGET' "
     "(EAGLE-2), or a tree file written by `specgraft tune-tree`"
@@ -32,20 +28,6 @@ THREADS_HELP = (
     "torch CPU threads: 'auto' (default) picks from the model's size and this machine (one thread for models "
     "under 200M parameters), or a count"
 )
-NAMED_DRAFTERS = ("none", "prompt-lookup", "self")
-
-
-def check_drafter_spec(spec: str) -> None:
-    """Refuse a --drafter that is neither a named drafter nor an existing directory, before any model loads."""
-    if spec in NAMED_DRAFTERS:
-        return
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"--drafter {spec!r} does not exist; expected {DRAFTER_HELP}")
-    if not path.is_dir():
-        raise FileNotFoundError(f"--drafter {spec!r} is a file, not a directory; expected {DRAFTER_HELP}")
-
-
 def _load(args: argparse.Namespace):
     """Target, drafter and tree from the common flags; the tree and drafter are checked before any model loads."""
     import specgraft as sg

@@ -8,6 +8,7 @@ flags live here and those modules read the choices from here.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from specgraft.threads import parse_threads
 
@@ -15,6 +16,30 @@ BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
 EXPORT_FORMATS = ("vllm", "sglang", "eagle", "medusa")
 IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
 PROMPT_LOOKUP = "prompt-lookup"  # the drafter name a server always offers
+NAMED_DRAFTERS = ("none", PROMPT_LOOKUP, "self")
+COMPOSITE_PREFIX = PROMPT_LOOKUP + "+"  # specgraft.heads.COMPOSITE_PREFIX
+DRAFTER_HELP = (
+    "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), a trained head directory "
+    "(e.g. runs/eagle-stories260k/head from `specgraft train`), or a small causal LM's directory sharing the "
+    "target's tokenizer; 'prompt-lookup+' before 'self' or a directory drafts by lookup first and with that "
+    "drafter where lookup finds nothing"
+)
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Refuse a --drafter that is neither a named drafter nor an existing directory, before any model loads."""
+    if spec in NAMED_DRAFTERS:
+        return
+    if spec.startswith(COMPOSITE_PREFIX):
+        then = spec.removeprefix(COMPOSITE_PREFIX)
+        if then in NAMED_DRAFTERS and then != "self":
+            raise ValueError(f"--drafter {spec!r}: after {COMPOSITE_PREFIX!r} comes 'self' or a drafter directory")
+        return check_drafter_spec(then)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--drafter {spec!r} does not exist; expected {DRAFTER_HELP}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"--drafter {spec!r} is a file, not a directory; expected {DRAFTER_HELP}")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

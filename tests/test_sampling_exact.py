@@ -47,6 +47,11 @@ DRAFTERS = {
         sg.StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], draw="sample-without-replacement"),
     ),
     "prompt lookup": lambda: (sg.PromptLookup(max_ngram=2, num_tokens=3), None),
+    # lookup's point masses where the history matches, the draft model's sampled chain elsewhere
+    "composite: lookup then draft model": lambda: (
+        sg.Composite(sg.PromptLookup(max_ngram=2, min_ngram=2, max_matches=1), sg.DraftModel(DRAFT, TARGET)),
+        sg.Chain(3, draw="sample"),
+    ),
 }
 # Sibling ranks with gaps at both depths, for every draw kind (a sampled rank only orders its siblings).
 GAPPED = [[1], [3], [1, 0], [1, 2], [3, 1]]
@@ -82,6 +87,7 @@ DEFAULT_GRID = [
     ("draft-model sampled tree (SpecInfer)", 1.5, "no filter"),
     ("draft-model sampled tree without replacement (Sequoia)", 1.0, "top-k 3"),
     ("prompt lookup", 1.5, "top-p 0.8"),
+    ("composite: lookup then draft model", 0.5, "no filter"),
 ]
 FULL_GRID = [(d, t, f) for d in DRAFTERS for t in TEMPERATURES for f in FILTERS]
 

@@ -1,0 +1,63 @@
+"""A composite drafter: one drafter first, another where the first finds nothing.
+
+Why: prompt lookup costs nothing and is often right for many tokens at once
+(code edits, summaries, answers that quote the question), but most steps of a
+chat find no match. A head (or any drafter) fills those steps. Both states see
+every commit, so each stays in step with the sequence; the second only pays
+for its forward passes on the steps it drafts (its catch-up on the pairs
+committed meanwhile runs in one forward then).
+
+Exactness: which drafter proposes is decided from the committed sequence
+alone (did the first one find a continuation?), never from this step's draws,
+so each step's tree is one drafter's proposal and verification stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgraft.heads.base import Drafter, DraftState
+from specgraft.tree import Tree, TreePolicy
+from specgraft.tree.draw import DraftSampler
+
+
+class Composite:
+    """Drafts with ``first``; where its tree holds only the root, with ``then``.
+
+    ``first`` drafts at most as deep as the tree policy (a chain:3 also caps
+    prompt lookup at 3 tokens), so a tree sized by the target's cost curve
+    stays that size whichever drafter fills it.
+
+        sg.Composite(sg.PromptLookup(max_matches=1), sg.load_drafter("runs/eagle3/head", target))
+    """
+
+    def __init__(self, first: Drafter, then: Drafter) -> None:
+        self.first, self.then = first, then
+        self.hidden_layers = tuple(dict.fromkeys(first.hidden_layers + then.hidden_layers))
+
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> CompositeState:
+        return CompositeState(self.first.start(prompt_ids, hidden), self.then.start(prompt_ids, hidden))
+
+
+class CompositeState:
+    """Both drafters' states for one generation; counts the steps each drafted."""
+
+    def __init__(self, first: DraftState, then: DraftState) -> None:
+        self.first, self.then = first, then
+        self.drafted_by_first = 0
+        self.drafted_by_then = 0
+
+    def propose(self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None) -> Tree:
+        tree = self.first.propose(root_token, policy, min(max_depth, policy.max_depth), sampler)
+        if len(tree.tokens) > 1:
+            self.drafted_by_first += 1
+            return tree
+        self.drafted_by_then += 1
+        return self.then.propose(root_token, policy, max_depth, sampler)
+
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.first.commit(tokens, hidden)
+        self.then.commit(tokens, hidden)
+
+    def cache_tokens(self) -> int:
+        return self.first.cache_tokens() + self.then.cache_tokens()

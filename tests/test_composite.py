@@ -1,0 +1,120 @@
+"""The composite drafter: prompt lookup first, a head where lookup finds nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_engine_api import hf_generate
+
+import specgraft as sg
+from specgraft.flags import check_drafter_spec
+from specgraft.heads import Composite, drafter_from_spec
+from specgraft.heads.composite import CompositeState
+
+TREE = sg.DynamicTree(top_k=4, depth=4, budget=12)
+
+
+class Counting:
+    """A drafter wrapper counting the trees its states propose that hold more than the root."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.hidden_layers, self.drafted = inner, inner.hidden_layers, 0
+
+    def start(self, prompt_ids, hidden):
+        state, outer = self.inner.start(prompt_ids, hidden), self
+
+        class State:
+            def propose(self, *args, **kwargs):
+                tree = state.propose(*args, **kwargs)
+                outer.drafted += tree.num_nodes > 1
+                return tree
+
+            def commit(self, tokens, hidden):
+                state.commit(tokens, hidden)
+
+            def cache_tokens(self):
+                return state.cache_tokens()
+
+        return State()
+
+
+@pytest.fixture(scope="module")
+def story_prompts(stories, dev_prompts) -> list[list[int]]:
+    # A repeated sentence gives lookup matches; the rest of each story is the head's.
+    return [stories.encode(p + " " + p) for p in dev_prompts[:4]]
+
+
+def test_lookup_then_a_trained_head_is_greedy_identical_and_both_draft(stories, story_prompts, trained_eagle):
+    lookup = Counting(sg.PromptLookup(max_matches=1))
+    head = Counting(sg.load_drafter(trained_eagle, stories))
+    gen = sg.SpeculativeGenerator(stories, Composite(lookup, head), tree=TREE)
+    plain = sg.SpeculativeGenerator(stories, None)
+    for ids in story_prompts:
+        out = gen.generate(ids, max_new_tokens=48)
+        assert out.token_ids == plain.generate(ids, max_new_tokens=48).token_ids
+        assert out.token_ids == hf_generate(stories, ids, 48)
+    assert lookup.drafted > 0 and head.drafted > 0, (lookup.drafted, head.drafted)
+
+
+def test_lookup_drafts_no_deeper_than_the_tree_policy(stories, story_prompts):
+    lookup = Counting(sg.PromptLookup(num_tokens=8, max_matches=1))
+    depths = []
+
+    class Depths(Counting):
+        def start(self, prompt_ids, hidden):
+            state = super().start(prompt_ids, hidden)
+            propose = state.propose
+
+            def recorded(*args, **kwargs):
+                tree = propose(*args, **kwargs)
+                depths.append(int(tree.depth.max()))
+                return tree
+
+            state.propose = recorded
+            return state
+
+    gen = sg.SpeculativeGenerator(stories, Composite(Depths(sg.PromptLookup(num_tokens=8, max_matches=1)), lookup),
+                                  tree=sg.Chain(3))
+    gen.generate(story_prompts[0], max_new_tokens=32)
+    assert depths and max(depths) == 3  # lookup had 8 tokens to copy; the chain caps it at 3
+
+
+def test_a_batch_with_the_composite_equals_each_prompt_alone(stories, story_prompts, trained_eagle):
+    gen = sg.SpeculativeGenerator(stories, drafter_from_spec(f"prompt-lookup+{trained_eagle}", stories), tree=TREE)
+    budgets = [40, 24, 56, 32]
+    outs = gen.generate_batch(story_prompts, max_new_tokens=budgets, temperature=[0.0, 0.8, 0.0, 1.0], seed=[0, 1, 2, 3])
+    for ids, budget, out, temperature, seed in zip(story_prompts, budgets, outs, [0.0, 0.8, 0.0, 1.0], range(4)):
+        alone = gen.generate(ids, max_new_tokens=budget, temperature=temperature, seed=seed)
+        assert out.token_ids == alone.token_ids
+    assert outs[0].token_ids == hf_generate(stories, story_prompts[0], 40)
+
+
+def test_the_spec_builds_lookup_with_one_match_then_the_drafter(stories, trained_eagle):
+    drafter = drafter_from_spec(f"prompt-lookup+{trained_eagle}", stories)
+    assert isinstance(drafter, Composite) and isinstance(drafter.first, sg.PromptLookup)
+    assert drafter.first.max_matches == 1 and drafter.hidden_layers == drafter.then.hidden_layers
+    assert isinstance(drafter_from_spec("prompt-lookup+self", stories).then, sg.DraftModel)
+
+
+@pytest.mark.parametrize("spec", ["prompt-lookup+none", "prompt-lookup+prompt-lookup"])
+def test_a_composite_of_nothing_or_of_lookup_twice_is_refused_before_loading(spec):
+    with pytest.raises(ValueError, match="after 'prompt-lookup\\+' comes 'self' or a drafter directory"):
+        check_drafter_spec(spec)
+
+
+def test_a_composite_of_a_missing_directory_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-head.*does not exist"):
+        check_drafter_spec(f"prompt-lookup+{tmp_path / 'no-such-head'}")
+
+
+def test_the_state_commits_to_both_and_sums_their_caches(stories):
+    ids = stories.encode("Once upon a time there was a cat.")
+    root = next(t for t in range(stories.vocab_size) if t not in ids)  # no match: the draft model drafts
+    composite = Composite(sg.PromptLookup(max_matches=1), sg.DraftModel(stories, stories))
+    state = composite.start(torch.tensor(ids), {})
+    assert isinstance(state, CompositeState)
+    assert state.propose(root, sg.Chain(2), 2).num_nodes == 3
+    state.commit(torch.tensor([root]), {})
+    assert state.first.history == ids + [root] and state.then.length == len(ids) + 1
+    assert state.cache_tokens() == state.first.cache_tokens() + state.then.cache_tokens() > 0
