@@ -541,7 +541,7 @@ def bench_main(args: argparse.Namespace) -> int:
         _check_drafter_spec(spec)
         parse_tree_spec(tree_spec)
     trees = _trees(args)
-    prompts = read_prompt_file(args.prompts, args.limit)
+    prompts = read_prompt_file(args.prompts, args.limit, args.per_category)
     if not args.drafter and not args.method and not baselines:
         raise ValueError("nothing to benchmark: give --drafter, --method or --baselines")
 
@@ -556,7 +556,7 @@ def bench_main(args: argparse.Namespace) -> int:
     results = run_bench(
         target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
         threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,
-        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit, "threads_choice": choice.why},
+        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit, "per_category": args.per_category, "threads_choice": choice.why},
     )
     if args.json:
         print(json.dumps(results, indent=2))

@@ -225,7 +225,7 @@ def server_bench_main(args: argparse.Namespace) -> int:
     levels = parse_concurrency(args.concurrency)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    prompts = [p.text for p in read_prompt_file(args.prompts, args.limit)]
+    prompts = [p.text for p in read_prompt_file(args.prompts, args.limit, args.per_category)]
     results = asyncio.run(bench_server(
         args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
         api_key=args.api_key or "none", progress=True,

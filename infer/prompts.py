@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def _record_prompt(record: Any, where: str, number: int) -> BenchPrompt:
     )
 
 
-def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPrompt]:
+def read_prompt_file(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[BenchPrompt]:
     """Prompts of a Spec-Bench / MT-bench, HumanEval (.jsonl or .jsonl.gz), GSM8K or ``{"text"}`` file, or plain text.
 
     The format comes from the records: a file whose first non-blank line is a
@@ -58,6 +59,8 @@ def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPr
     one prompt per line. Categories come from the records ('turns' sets), or are
     'humaneval', 'gsm8k' or 'text'. ``{"id", "text"}`` records (the training
     data's text form) make calibration prompts apart from the evaluation set.
+    ``per_category`` keeps the first N prompts of each category (a fixed
+    subset of Spec-Bench's 13), then ``limit`` the first N of those.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -66,13 +69,14 @@ def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPr
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     with _open_text(path) as f:
         lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
     json_lines = path.name.endswith((".jsonl", ".jsonl.gz")) or (bool(lines) and lines[0][1].lstrip().startswith("{"))
     prompts = []
-    for number, line in lines[:limit]:
+    for number, line in lines if per_category else lines[:limit]:
         if not json_lines:
             prompts.append(BenchPrompt(str(number), "text", line))
             continue
@@ -81,6 +85,14 @@ def read_prompt_file(path: str | Path, limit: int | None = None) -> list[BenchPr
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err})") from None
         prompts.append(_record_prompt(record, f"{path}:{number}", number))
+    if per_category:
+        taken: Counter[str] = Counter()
+        kept = []
+        for prompt in prompts:
+            taken[prompt.category] += 1
+            if taken[prompt.category] <= per_category:
+                kept.append(prompt)
+        prompts = kept[:limit]
     if not prompts:
         raise ValueError(f"prompts file {path} holds no prompts")
     return prompts

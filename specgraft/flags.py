@@ -69,6 +69,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-bench / HumanEval / GSM8K jsonl(.gz), or text")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    parser.add_argument("--per-category", type=int, default=None, metavar="N",
+                        help="first N prompts of each category (e.g. Spec-Bench's 13), then --limit")
     parser.add_argument("--baselines", default="plain,hf", help=f"comma list of {', '.join(BASELINE_KINDS)}")
     parser.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                         help="e.g. depth=3,5,7 (chain) or top_k=4,8 budget=16,32,64 (dynamic); crossed with each --tree")

@@ -117,6 +117,15 @@ def test_limit_keeps_the_first_prompts(tmp_path):
     assert [p.text for p in read_prompt_file(path, limit=2)] == ["a", "b"]
 
 
+def test_per_category_keeps_the_first_prompts_of_each_category_then_the_limit(tmp_path):
+    records = [{"question_id": i, "category": c, "turns": [f"q{i}"]} for i, c in enumerate("aabbbcab")]
+    path = _write_jsonl(tmp_path / "q.jsonl", records)
+    assert [p.id for p in read_prompt_file(path, per_category=2)] == ["0", "1", "2", "3", "5"]
+    assert [p.id for p in read_prompt_file(path, per_category=1, limit=2)] == ["0", "2"]
+    with pytest.raises(ValueError, match="per_category must be >= 1, got 0"):
+        read_prompt_file(path, per_category=0)
+
+
 @pytest.mark.parametrize(
     "bad_line, message",
     [
