@@ -177,12 +177,14 @@ def _timed(runner: Runner, ids: list[int], max_new_tokens: int) -> tuple[list[in
     return tokens, stats, time.perf_counter() - start
 
 
-def _build_runners(target: Target, methods: Sequence[MethodSpec], baselines: Sequence[str]) -> list[Runner]:
+def _build_runners(
+    target: Target, methods: Sequence[MethodSpec], baselines: Sequence[str], temperature: float = 0.0
+) -> list[Runner]:
     """Baselines first, then our methods; names must be unique since they key the report."""
     for spec in baselines:
         parse_baseline(spec)  # every spec checked before any assistant loads
-    runners = [baseline_runner(spec, target) for spec in baselines]
-    runners += [m if isinstance(m, Runner) else engine_runner(m[0], target, m[1], m[2]) for m in methods]
+    runners = [baseline_runner(spec, target, temperature) for spec in baselines]
+    runners += [m if isinstance(m, Runner) else engine_runner(m[0], target, m[1], m[2], temperature) for m in methods]
     names = [r.name for r in runners]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -264,19 +266,25 @@ def run_bench(
     *,
     max_new_tokens: int = 128,
     baselines: Sequence[str] = ("plain", "hf"),
+    temperature: float = 0.0,
     threads: int = 1,
     warmup: int = 1,
     out_dir: str | Path | None = None,
     progress: bool = True,
     extra_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Benchmark ``methods`` against ``baselines`` on ``prompts``, greedily and interleaved.
+    """Benchmark ``methods`` against ``baselines`` on ``prompts``, interleaved.
+
+    Greedy (``temperature`` 0), every output is checked token for token against
+    the reference (``hf``, else ``plain``); sampled, every method draws from
+    softmax(logits / T) unfiltered, and outputs are not compared.
 
     Args:
         target: the frozen target.
         methods: ``(name, drafter, tree)`` for our engine, or a ready `Runner`.
         prompts: from `read_prompt_file`; encoded with `encode_prompt`.
         baselines: ``plain``, ``hf``, ``hf-pld``, ``hf-assisted:PATH``.
+        temperature: 0 for greedy; else every method samples (HF with top_k=0, top_p=1).
         threads: torch threads for the run (restored afterwards).
         warmup: prompts (from the start) every method runs once, untimed, first.
         out_dir: where results.json, results.md and the plots go (None: nowhere).
@@ -287,11 +295,13 @@ def run_bench(
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if threads < 1 or warmup < 0:
         raise ValueError(f"need threads >= 1 and warmup >= 0, got threads={threads}, warmup={warmup}")
     if not prompts:
         raise ValueError("no prompts to benchmark")
-    runners = _build_runners(target, methods, baselines)
+    runners = _build_runners(target, methods, baselines, temperature)
     names = [r.name for r in runners]
     reference = "hf" if "hf" in names else "plain" if "plain" in names else names[0]
     encoded = [encode_prompt(target, p.text) for p in prompts]
@@ -305,12 +315,13 @@ def run_bench(
     entries = [_method_entry(r, runs[r.name]) for r in runners]
     baseline_names = names[: len(baselines)]  # runner names: hf-assisted:PATH becomes hf-assisted:DIRNAME
     _add_speedups(entries, baseline_names)
-    mismatches = _mismatches(runs, reference)
+    mismatches = _mismatches(runs, reference) if temperature == 0 else []
     results = {
         "methods": entries,
-        "greedy_identical": not mismatches,
+        "greedy_identical": not mismatches if temperature == 0 else None,  # None: sampled, nothing to compare
         "mismatches": mismatches,
-        "settings": _settings(target, prompts, max_new_tokens, baseline_names, threads, warmup, reference, extra_settings),
+        "settings": _settings(target, prompts, max_new_tokens, baseline_names, threads, warmup, reference,
+                              {"temperature": temperature, **(extra_settings or {})}),
         "per_prompt": [
             {"method": name, "prompt_id": r.prompt.id, "category": r.prompt.category, "new_tokens": len(r.tokens),
              "wall_s": r.wall_s, "mean_accepted_length": r.stats["mean_accepted_length"]}
@@ -425,6 +436,8 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     from specgraft.infer.bench_batch import batch_markdown, run_batch_sweep, write_batch_plot
     from specgraft.infer.prompts import encode_prompt
 
+    if args.temperature:
+        raise ValueError("--batch-size runs greedy (its outputs are checked against plain decoding); drop --temperature")
     engine_methods = [m for m in methods if not isinstance(m, Runner)]
     encoded = [encode_prompt(target, p.text) for p in prompts]
     results = run_batch_sweep(
@@ -555,7 +568,7 @@ def bench_main(args: argparse.Namespace) -> int:
         return _batch_bench(args, target, methods, prompts, batch_sizes, choice.why)
     results = run_bench(
         target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
-        threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,
+        temperature=args.temperature, threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,
         extra_settings={"prompts_file": str(args.prompts), "limit": args.limit, "per_category": args.per_category, "threads_choice": choice.why},
     )
     if args.json:
@@ -563,7 +576,7 @@ def bench_main(args: argparse.Namespace) -> int:
     else:
         print(results_markdown(results))
         print(f"wrote results.json, results.md and {len(PLOTS)} plots to {args.out}", file=sys.stderr)
-    if not results["greedy_identical"]:
+    if results["greedy_identical"] is False:
         print(f"specgraft bench: {len(results['mismatches'])} greedy outputs differ from "
               f"{results['settings']['reference']!r}; see 'mismatches' in results.json", file=sys.stderr)
         return 1
@@ -575,7 +588,7 @@ def _server_bench(args: argparse.Namespace) -> int:
     from specgraft.infer.bench_server import server_bench_main
 
     offline = [flag for flag, given in (("--target", args.target), ("--tree", args.tree), ("--method", args.method),
-                                        ("--sweep", args.sweep)) if given]
+                                        ("--sweep", args.sweep), ("--temperature", args.temperature)) if given]
     if offline:
         raise ValueError(f"{', '.join(offline)} apply to the offline bench, not to --server")
     if len(args.drafter) > 1:

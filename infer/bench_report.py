@@ -18,15 +18,21 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     settings = results["settings"]
     bases = settings["baselines"]
     header = ["method", "tau", "tokens/s"] + [f"vs {b}" for b in bases]
+    temperature = settings.get("temperature", 0.0)
     lines = [
         f"# specgraft bench: {settings['target']}",
         "",
-        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
-        f"{settings['threads']} thread(s)"
+        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, "
+        + (f"sampled at temperature {temperature}, " if temperature else "greedy, ")
+        + f"{settings['threads']} thread(s)"
         + (f" ({settings['threads_choice']})" if settings.get("threads_choice") else "")
         + f", {settings['device']} {settings['dtype']}. "
-        f"Greedy outputs identical to `{settings['reference']}`: "
-        + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches)."),
+        + (
+            "Sampled outputs are not compared (each method draws its own)."
+            if temperature
+            else f"Greedy outputs identical to `{settings['reference']}`: "
+            + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches).")
+        ),
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
@@ -43,6 +49,21 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         "Methods ran interleaved, prompt by prompt.",
         "",
     ]
+    categories = results["settings"].get("categories") or []
+    if len(categories) > 1:
+        lines += [
+            "Per category: tau / tokens/s.",
+            "",
+            "| method | " + " | ".join(categories) + " |",
+            "|" + "|".join(["---"] + ["---:"] * len(categories)) + "|",
+        ]
+        for m in results["methods"]:
+            cells = [m["per_category"].get(c) for c in categories]
+            lines.append("| " + " | ".join([m["method"]] + [
+                "-" if c is None else f"{_fmt(c['mean_accepted_length'], 2)} / {_fmt(c['e2e_tokens_per_s'], 1)}"
+                for c in cells
+            ]) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -33,9 +33,20 @@ HF_PLD_NUM_TOKENS = 10
 HF_GREEDY = dict(do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=0)
 
 
+def hf_sampling(temperature: float) -> dict[str, Any]:
+    """HF ``generate`` options that sample from the same distribution as our ``temperature=`` alone.
+
+    ``top_k=0`` and ``top_p=1.0`` switch off the filters a model's generation_config may ship
+    (transformers' own default is top_k=50), so every method draws from softmax(logits / T).
+    """
+    if temperature <= 0:
+        return dict(HF_GREEDY)
+    return {**HF_GREEDY, "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": None}
+
+
 @dataclass
 class Runner:
-    """One benchmarked method: greedy ``generate(prompt_ids, max_new_tokens) -> (new token ids, stats dict)``.
+    """One benchmarked method: ``generate(prompt_ids, max_new_tokens) -> (new token ids, stats dict)``.
 
     ``measured`` names the stats keys the method really measures; the others are None.
     """
@@ -46,12 +57,14 @@ class Runner:
     measured: tuple[str, ...] = STATS_KEYS
 
 
-def engine_runner(name: str, target: Target, drafter: Drafter | None, tree: TreePolicy | None) -> Runner:
-    """Our engine with a drafter (None: plain decoding, one target call per token)."""
+def engine_runner(
+    name: str, target: Target, drafter: Drafter | None, tree: TreePolicy | None, temperature: float = 0.0
+) -> Runner:
+    """Our engine with a drafter (None: plain decoding, one target call per token); greedy at temperature 0."""
     gen = SpeculativeGenerator(target, drafter, tree=tree)
 
     def generate(ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, Any]]:
-        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature)
         return out.token_ids, out.stats.to_dict()
 
     return Runner(name, generate)
@@ -110,8 +123,8 @@ class ChunkClock(BaseStreamer):
         }
 
 
-def hf_runner(name: str, target: Target, **generate_options: Any) -> Runner:
-    """transformers' ``generate`` on the target's model, greedy, timed by a `ChunkClock`."""
+def hf_runner(name: str, target: Target, temperature: float = 0.0, **generate_options: Any) -> Runner:
+    """transformers' ``generate`` on the target's model, timed by a `ChunkClock`; greedy at temperature 0."""
     model = target.model
     pad = model.generation_config.pad_token_id
     if pad is None and target.eos_token_ids:
@@ -123,7 +136,7 @@ def hf_runner(name: str, target: Target, **generate_options: Any) -> Runner:
         clock = ChunkClock()
         out = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            streamer=clock, **HF_GREEDY, **generate_options,
+            streamer=clock, **hf_sampling(temperature), **generate_options,
         )
         tokens = out[0, len(ids):].tolist()
         return tokens, clock.stats(len(tokens))
@@ -146,19 +159,19 @@ def parse_baseline(spec: str) -> tuple[str, str | None]:
     raise ValueError(f"unknown baseline {spec!r}: choose from {', '.join(BASELINE_KINDS)}")
 
 
-def baseline_runner(spec: str, target: Target) -> Runner:
+def baseline_runner(spec: str, target: Target, temperature: float = 0.0) -> Runner:
     """The runner of one baseline spec (see `parse_baseline`); the assistant model loads here."""
     kind, path = parse_baseline(spec)
     if kind == "plain":
-        return engine_runner("plain", target, None, None)
+        return engine_runner("plain", target, None, None, temperature)
     if kind == "hf":
-        return hf_runner("hf", target)
+        return hf_runner("hf", target, temperature)
     if kind == "hf-pld":
-        return hf_runner("hf-pld", target, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS)
+        return hf_runner("hf-pld", target, temperature, prompt_lookup_num_tokens=HF_PLD_NUM_TOKENS)
     assistant = load_model(path, dtype=target.dtype, device=target.device, role="assistant model")
     if assistant.vocab_size != target.vocab_size:
         raise ValueError(
             f"baseline {spec!r}: the assistant's vocabulary ({assistant.vocab_size}) differs from the target's "
             f"({target.vocab_size}); HF assisted generation is benchmarked with a shared tokenizer only"
         )
-    return hf_runner(f"hf-assisted:{Path(path).name}", target, assistant_model=assistant.model)
+    return hf_runner(f"hf-assisted:{Path(path).name}", target, temperature, assistant_model=assistant.model)

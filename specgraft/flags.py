@@ -69,6 +69,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--prompts", required=True, help="Spec-Bench / MT-bench / HumanEval / GSM8K jsonl(.gz), or text")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, each output checked token for token against the reference; "
+                        "above 0 every method samples softmax(logits / T) unfiltered (HF with top_k=0, top_p=1)")
     parser.add_argument("--per-category", type=int, default=None, metavar="N",
                         help="first N prompts of each category (e.g. Spec-Bench's 13), then --limit")
     parser.add_argument("--baselines", default="plain,hf", help=f"comma list of {', '.join(BASELINE_KINDS)}")

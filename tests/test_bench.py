@@ -38,6 +38,7 @@ from specgraft.infer.bench import (
     run_bench,
     tree_label,
 )
+from specgraft.infer.bench_runners import HF_GREEDY, hf_runner, hf_sampling
 from specgraft.tree import DynamicTree
 
 N = 16  # new tokens per run: enough for drafts to be accepted and rejected
@@ -272,6 +273,35 @@ def test_a_method_whose_greedy_output_differs_is_reported(stories):
         {"method": "wrong", "prompt_id": "0", "first_diff": 5, "reference": "hf"},
         {"method": "wrong", "prompt_id": "1", "first_diff": 5, "reference": "hf"},
     ]
+
+
+def test_sampled_bench_samples_every_method_and_compares_nothing(stories, tmp_path):
+    prompts = [BenchPrompt("0", "writing", PROMPTS[0].text), BenchPrompt("1", "qa", PROMPTS[1].text)]
+    greedy = run_bench(stories, [], prompts, max_new_tokens=N, baselines=("plain", "hf"), warmup=0, progress=False)
+    sampled = run_bench(stories, [("prompt-lookup", sg.PromptLookup(), None)], prompts, max_new_tokens=N,
+                        baselines=("plain", "hf"), temperature=1.5, warmup=0, out_dir=tmp_path, progress=False)
+    assert sampled["greedy_identical"] is None and sampled["mismatches"] == []
+    assert sampled["settings"]["temperature"] == 1.5
+    assert greedy["greedy_identical"] is True
+    markdown = (tmp_path / "results.md").read_text()
+    assert "sampled at temperature 1.5" in markdown and "not compared" in markdown
+    assert "| method | qa | writing |" in markdown  # the per-category table
+
+
+def test_sampled_runners_of_our_engine_and_of_hf_really_sample(stories):
+    ids = encode_prompt(stories, PROMPTS[0].text)
+    torch.manual_seed(0)
+    for make in (lambda t: engine_runner("plain", stories, None, None, t), lambda t: hf_runner("hf", stories, t)):
+        greedy = make(0.0).generate(ids, N)[0]
+        sampled = [make(1.5).generate(ids, N)[0] for _ in range(3)]
+        assert any(tokens != greedy for tokens in sampled)  # three seeded 16-token draws at T=1.5
+
+
+def test_hf_sampling_options_switch_off_shipped_filters():
+    assert hf_sampling(0.0) == HF_GREEDY
+    options = hf_sampling(0.7)
+    assert options["do_sample"] is True and options["temperature"] == 0.7
+    assert options["top_k"] == 0 and options["top_p"] == 1.0 and options["min_p"] is None
 
 
 def test_report_files_and_keys(stories, tmp_path):
