@@ -68,9 +68,9 @@ def rerank(tree: Tree, budget: int) -> Tree:
     """The root plus the ``budget`` best draft nodes by cumulative score, parents ranked before children on ties."""
     if tree.num_draft_tokens <= budget:
         return tree
-    draft = torch.arange(1, tree.num_nodes, device=tree.tokens.device)
+    scores, depth = tree.scores.tolist(), tree.depth.tolist()  # read once: indexing tensors per key is slow
     # Sort by score (descending), then depth (ascending): a parent is never ranked below its child.
-    order = sorted(draft.tolist(), key=lambda i: (-float(tree.scores[i]), int(tree.depth[i])))
+    order = sorted(range(1, tree.num_nodes), key=lambda i: (-scores[i], depth[i]))
     keep = torch.tensor(sorted([0] + order[:budget]), device=tree.tokens.device)
     return subtree(tree, keep)
 
