@@ -4,7 +4,7 @@
         --drafter runs/eagle-stories260k/head --tree chain:4 --batch-sizes 1,8
 
 Each part of `Scheduler.step` is timed by wrapping the function that does it
-(`Decoding.propose` for the draft phase, `batched_tree_inputs` for masks and
+(`Decoding.propose` and the scheduler's batched `_propose_together` for the draft phase, `batched_tree_inputs` for masks and
 padding, `Target.forward_rows` / `Target.forward` for the target, and
 `Decoding.commit` + `Decoding.record` for acceptance, KV commits, drafter
 commits and stop rules). "other" is the step's remaining time: the
@@ -27,28 +27,29 @@ import specgraft.infer.scheduler as scheduler_module
 from specgraft.heads import drafter_from_spec
 from specgraft.infer.generator import Decoding
 
-PARTS = {
-    "draft": (Decoding, "propose"),
-    "inputs+mask": (scheduler_module, "batched_tree_inputs"),
-    "forward": (sg.Target, "forward_rows"),
-    "commit": (Decoding, "commit"),
-    "stop+stats": (Decoding, "record"),
+PARTS = {  # part -> the functions whose time it sums
+    "draft": [(Decoding, "propose"), (scheduler_module.Scheduler, "_propose_together")],
+    "inputs+mask": [(scheduler_module, "batched_tree_inputs")],
+    "forward": [(sg.Target, "forward_rows")],
+    "commit": [(Decoding, "commit")],
+    "stop+stats": [(Decoding, "record")],
 }
 
 
 def instrument(spent: dict[str, float]) -> None:
     """Wrap each part's function so its time adds up into ``spent``."""
-    for part, (owner, name) in PARTS.items():
-        original = getattr(owner, name)
+    for part, functions in PARTS.items():
+        for owner, name in functions:
+            original = getattr(owner, name)
 
-        def timed(*args, __original=original, __part=part, **kwargs):
-            start = time.perf_counter()
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                spent[__part] += time.perf_counter() - start
+            def timed(*args, __original=original, __part=part, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    spent[__part] += time.perf_counter() - start
 
-        setattr(owner, name, timed)
+            setattr(owner, name, timed)
 
 
 def main() -> None:

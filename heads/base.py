@@ -14,15 +14,23 @@ The engine owns the committed sequence and talks to a drafter in three calls:
 
 Trained heads, small draft models and prompt lookup all implement it; none
 subclasses anything.
+
+A `BatchDrafter` (Medusa, EAGLE, EAGLE-3) can also draft for many
+generations at once: ``drafter.propose_batch(requests, rows)`` grows one tree
+per `DraftRequest` and runs its neural work once per tree level for all of
+them. A scheduler gives such a drafter's states their caches as rows of one
+batched cache (``new_rows``, then ``start(..., cache=row's view)``), as it does
+for the target; ``state.propose`` is the same code with one request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from specgraft.model import BatchedKVCache, StaticKVCache
 from specgraft.tree import Tree, TreePolicy
 from specgraft.tree.draw import DraftSampler
 
@@ -54,6 +62,41 @@ class Drafter(Protocol):
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> DraftState:
         """A fresh state for one generation. prompt_ids: (S,); hidden: layer -> (S, H) target states."""
+
+
+@dataclass
+class DraftRequest:
+    """One generation's share of a batched draft phase: the arguments of `DraftState.propose`, its state and row.
+
+    Attributes:
+        state: the generation's `DraftState`, from the batch drafter's ``start``.
+        root_token, policy, max_depth, sampler: as `DraftState.propose` takes them (max_depth >= 1).
+        row: the state's row of the batched cache passed beside the requests (0 without one).
+    """
+
+    state: DraftState
+    root_token: int
+    policy: TreePolicy
+    max_depth: int
+    sampler: DraftSampler | None = None
+    row: int = 0
+
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    """A drafter that drafts many generations' trees together, its neural work batched per tree level."""
+
+    def new_rows(self, rows: int, max_len: int) -> BatchedKVCache | None:
+        """A batched draft cache of ``rows`` rows of ``max_len`` slots for a scheduler (None: the drafter keeps no cache)."""
+
+    def start(
+        self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None
+    ) -> DraftState:
+        """As `Drafter.start`; ``cache``: a row of `new_rows`' cache for the state to keep its draft cache in."""
+
+    def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
+        """One tree per request, in order. ``rows``: the cache from `new_rows` whose row ``request.row`` each
+        state keeps its cache in; None only for a single request whose state has its own cache."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import EagleConfig
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.model import FastLlama, StaticKVCache
-from specgraft.model import KVCache, Target, cache_keyword
+from specgraft.model import BatchedKVCache, KVCache, Target, cache_keyword
 from specgraft.tree import additive_mask
 
 
@@ -140,6 +140,9 @@ class EagleHead(nn.Module):
 
     def new_draft_cache(self, max_len: int) -> StaticKVCache:
         return self.fast().new_cache(max_len)
+
+    def new_draft_rows(self, rows: int, max_len: int) -> BatchedKVCache:
+        return self.fast().new_batched_cache(rows, max_len)
 
     def draft_step(self, features, tokens, positions, mask, cache) -> torch.Tensor:
         return self.draft_forward(features, tokens, positions, mask, cache)

@@ -34,7 +34,7 @@ from specgraft.heads.configs import Eagle3Config
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.eagle import layer_config
 from specgraft.model import FastLlama, StaticKVCache, rms_norm
-from specgraft.model import KVCache, Target
+from specgraft.model import BatchedKVCache, KVCache, Target
 from specgraft.tree import additive_mask
 
 
@@ -200,6 +200,9 @@ class Eagle3Head(nn.Module):
 
     def new_draft_cache(self, max_len: int) -> StaticKVCache:
         return self.fast().new_cache(max_len)
+
+    def new_draft_rows(self, rows: int, max_len: int) -> BatchedKVCache:
+        return self.fast().new_batched_cache(rows, max_len)
 
     def draft_step(self, h, tokens, positions, mask, cache) -> torch.Tensor:
         return self.draft_forward(h, tokens, positions, mask, cache)

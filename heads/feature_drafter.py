@@ -1,26 +1,40 @@
 """Drafting in the target's feature space, shared by EAGLE and EAGLE-3.
 
 Pair i joins a feature of committed position i with the next token t_{i+1}.
-Each generation's `FeatureDraftState` keeps the committed features and tokens
-its draft KV cache does not hold yet, runs those pairs plus the root's pair,
-then one pair per tree node (its parent's predicted feature, its own token)
-with tree attention. Between rounds the cache holds only pairs of committed
-tokens and true features; the root's pair is run again next round, so
-proposing twice without a commit stays correct.
+Each generation's `FeatureDraftState` keeps a draft KV cache of the pairs of
+its committed tokens: the prompt's pairs run when the state starts; the
+pairs committed since the last round run with the root's pair at the start
+of the next. Then each tree level runs one pair per frontier node (its
+parent's predicted feature, its own token) with tree attention. Between
+rounds the cache holds only pairs of committed tokens and true features;
+the root's pair is run again next round, so proposing twice without a
+commit stays correct.
 
-A head plugs in with five methods: ``hidden_layers``, ``draft_features(hidden)``
+Many generations draft together (`FeatureDrafter.propose_batch`): their
+caches are rows of one `BatchedKVCache` (a scheduler's, from `new_rows`),
+and each tree level is one forward over every row's new pairs, padded to the
+widest, each row at its own slots and positions with a mask of its own. One
+generation alone takes the same path with one row over its own cache.
+
+A head plugs in with six methods: ``hidden_layers``, ``draft_features(hidden)``
 (target states -> (n, H) features), ``new_draft_cache(max_len)``,
-``draft_step(features, tokens, positions, mask, cache)`` -> (1, T, H) outputs,
-and ``draft_logp(outputs)`` -> (.., V) scores over the target vocabulary.
+``new_draft_rows(rows, max_len)``, ``draft_step(features, tokens, positions,
+mask, cache)`` -> (B, T, H) outputs, and ``draft_logp(outputs)`` -> (.., V)
+scores over the target vocabulary.
+
+Shape legend: B rows in a forward, T new pairs per row, W attended slots, H hidden, V vocabulary.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
-from specgraft.heads.draft_round import DraftRound
-from specgraft.model import TREE_SLOTS, Target
-from specgraft.tree import Tree, TreePolicy, additive_mask
+from specgraft.heads.base import DraftRequest
+from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
+from specgraft.tree import Tree, TreePolicy, grow_together
 from specgraft.tree.draw import DraftSampler
 
 
@@ -33,9 +47,31 @@ class FeatureDrafter:
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS
 
+    def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
+        return self.head.new_draft_rows(rows, max_len)
+
     @torch.inference_mode()
-    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> FeatureDraftState:
-        return FeatureDraftState(self, prompt_ids.flatten().to(self.device), self.head.draft_features(hidden))
+    def start(
+        self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None
+    ) -> FeatureDraftState:
+        cache = cache if cache is not None else self.head.new_draft_cache(self.max_len)
+        return FeatureDraftState(self, prompt_ids.flatten().to(self.device), self.head.draft_features(hidden), cache)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
+        if len(requests) > 1 and not all(hasattr(r.policy, "levels") for r in requests):
+            return [self.propose_batch([r], rows)[0] for r in requests]  # a policy with only `grow`: one by one
+        round_ = FeatureRound(self.head, requests, rows)
+        try:
+            round_.run_roots()
+            if len(requests) == 1 and not hasattr(requests[0].policy, "levels"):
+                r = requests[0]
+                step = lambda tree, frontier: round_.step([(0, tree, frontier)])[0]  # noqa: E731
+                return [r.policy.grow(step, r.root_token, max_depth=r.max_depth, device=self.device, sampler=r.sampler)]
+            growths = [r.policy.levels(r.root_token, r.max_depth, self.device, r.sampler) for r in requests]
+            return grow_together(growths, round_.step)
+        finally:
+            round_.rollback()
 
 
 class FeatureDraftState:
@@ -47,60 +83,154 @@ class FeatureDraftState:
     each round runs only the new pairs: no step copies the whole history.
     """
 
-    def __init__(self, drafter: FeatureDrafter, prompt_ids: torch.Tensor, features: torch.Tensor) -> None:
-        self.head = drafter.head
-        self.device = drafter.device
-        self.cache = self.head.new_draft_cache(drafter.max_len)  # pair i in slot i
+    def __init__(
+        self, drafter: FeatureDrafter, prompt_ids: torch.Tensor, features: torch.Tensor, cache: StaticKVCache
+    ) -> None:
+        self.drafter = drafter
+        self.cache = cache  # pair i in slot i
         self.length = len(prompt_ids)  # n: committed tokens t_0 .. t_{n-1}
-        self.features = features  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
-        self.next_tokens = prompt_ids[1:]  # t_{len(cache)+1} .. t_{n-1}
         self.peak = 0
+        # The prompt's pairs (f_i, t_{i+1}), i < n - 1, as the target's prefill: causal over an empty cache.
+        pairs = len(prompt_ids) - 1
+        if pairs:
+            positions = torch.arange(pairs, device=drafter.device)[None]
+            drafter.head.draft_step(features[None, :pairs], prompt_ids[None, 1:], positions, None, cache)
+        self.features = features[pairs:]  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
+        self.next_tokens = prompt_ids[1 + pairs :]  # t_{len(cache)+1} .. t_{n-1}
 
     @torch.inference_mode()
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.features = torch.cat([self.features, self.head.draft_features(hidden)])
-        self.next_tokens = torch.cat([self.next_tokens, tokens.flatten().to(self.device)])
+        self.features = torch.cat([self.features, self.drafter.head.draft_features(hidden)])
+        self.next_tokens = torch.cat([self.next_tokens, tokens.flatten().to(self.drafter.device)])
         self.length += tokens.numel()
-        self.peak = len(self.cache)
 
     def cache_tokens(self) -> int:
         return self.peak
 
-    @torch.inference_mode()
     def propose(
         self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
     ) -> Tree:
         if max_depth < 1:
-            return Tree.root_only(root_token, self.device)
-        n = self.length
-        outputs: dict[int, torch.Tensor] = {}  # node -> (H,) the head's output at the node's pair
+            return Tree.root_only(root_token, self.drafter.device)
+        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampler)])[0]
 
-        def run_root() -> torch.Tensor:
-            # Pairs (f_i, t_{i+1}) not yet cached, i = len(cache) .. n - 1; the last pairs f_{n-1} with the root.
-            start = len(self.cache)
-            next_tokens = torch.cat([self.next_tokens, torch.tensor([root_token], device=self.device)])
-            positions = torch.arange(start, n, device=self.device)[None]
-            out = self.head.draft_step(self.features[None], next_tokens[None], positions, None, self.cache)
-            outputs[0] = out[0, -1]
-            return self.head.draft_logp(out[0, -1])
 
-        def run_nodes(tree: Tree, nodes: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            feats = torch.stack([outputs[p] for p in tree.parents[nodes].tolist()])[None]  # (1, F, H)
-            mask = additive_mask(visible, feats.dtype)
-            out = self.head.draft_step(feats, tree.tokens[nodes][None], positions[None], mask, self.cache)[0]
-            outputs.update(zip(nodes.tolist(), out))
-            return self.head.draft_logp(out)
+@dataclass
+class _Pairs:
+    """One row's new pairs in a forward: T_i of them, and what each query sees before the row's new slots.
 
-        round_ = DraftRound(n - 1, run_root, run_nodes, self.device)
-        try:
-            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
-        finally:
-            self.peak = len(self.cache)
-            self._rollback(min(len(self.cache), n - 1))
+    Query j sees slots [0, ``sees_prefix[j]``), the earlier slots in ``sees_slots[j]`` and its own.
+    """
 
-    def _rollback(self, length: int) -> None:
-        """Keep committed pairs only (nothing from a draft survives) and drop the rows the cache now holds."""
-        consumed = length - (self.length - len(self.features))  # features the cache took this round
-        self.cache.crop(length)
-        self.features = self.features[consumed:]
-        self.next_tokens = self.next_tokens[consumed:]
+    nodes: list[int]  # the tree node of each pair (a root forward: only its last pair, the root's, is a node)
+    features: torch.Tensor  # (T_i, H)
+    tokens: torch.Tensor  # (T_i,)
+    positions: torch.Tensor  # (T_i,)
+    sees_prefix: torch.Tensor  # (T_i,)
+    sees_slots: torch.Tensor | None  # (T_i, N) slot of each visible tree node, -1 where none; None: no tree slots
+    is_root: bool
+
+
+class FeatureRound:
+    """One draft round of several states over one cache: the roots' forward, then one forward per tree level.
+
+    Tracks, per request, which tree node sits in which slot, the head's output
+    at each node (its children's input feature) and the node's draft log-probs.
+    """
+
+    def __init__(self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> None:
+        if rows is None and len(requests) != 1:
+            raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
+        self.head, self.requests, self.rows = head, list(requests), rows
+        self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
+        self.cache = rows if rows is not None else requests[0].state.cache
+        self.lengths = self._lengths()  # every row's committed slots, restored by `rollback`
+        self.outputs: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (H,) head output
+        self.slots: list[dict[int, int]] = [{} for _ in requests]  # node -> its slot in the row's cache
+        self.logp: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (V,) its children's log-probs
+
+    def run_roots(self) -> None:
+        """Every request's first forward: the pairs committed since its last round, then its root's."""
+        self._run({i: self._root_pairs(i) for i in range(len(self.requests))})
+
+    def step(self, asked: list[tuple[int, Tree, torch.Tensor]]) -> list[torch.Tensor]:
+        """`grow_together`'s step: one forward for every asked request's new frontier nodes."""
+        wanted = [(i, tree, frontier.tolist()) for i, tree, frontier in asked]
+        new = {i: [n for n in dict.fromkeys(nodes) if n not in self.logp[i]] for i, _, nodes in wanted}
+        pairs = {i: self._node_pairs(i, tree, new[i]) for i, tree, _ in wanted if new[i]}
+        if pairs:
+            self._run(pairs)
+        return [torch.stack([self.logp[i][n] for n in nodes]) for i, _, nodes in wanted]
+
+    def rollback(self) -> None:
+        """Keep committed pairs only (nothing from a draft survives) in every row the round touched."""
+        kept = dict(enumerate(self.lengths))
+        for i, request in enumerate(self.requests):
+            state = request.state
+            state.peak = state.length - 1 + len(self.slots[i])
+            if 0 in self.slots[i]:  # the root's forward ran: the pairs before the root's are now cached
+                consumed = state.length - 1 - self.lengths[request.row]
+                state.features = state.features[consumed:]
+                state.next_tokens = state.next_tokens[consumed:]
+                kept[request.row] = state.length - 1
+        views = self.rows.views[: self.batch] if self.rows is not None else [self.cache]
+        for row, view in enumerate(views):
+            if view is not None:
+                view.crop(kept[row])
+
+    def _lengths(self) -> list[int]:
+        return self.rows.lengths(self.batch) if self.rows is not None else [len(self.cache)]
+
+    def _root_pairs(self, i: int) -> _Pairs:
+        """The pairs of tokens committed since the cache's last, then the root's pair: causal over the cache."""
+        request = self.requests[i]
+        state, start = request.state, self.lengths[request.row]
+        tokens = torch.cat([state.next_tokens, torch.tensor([request.root_token], device=state.next_tokens.device)])
+        positions = torch.arange(start, state.length, device=tokens.device)  # pair j at position j
+        return _Pairs([0], state.features, tokens, positions, positions + 1, None, is_root=True)
+
+    def _node_pairs(self, i: int, tree: Tree, nodes: list[int]) -> _Pairs:
+        """Frontier nodes' pairs (parent's output, own token): each sees the committed pairs and its ancestors."""
+        state, device = self.requests[i].state, tree.tokens.device
+        idx = torch.tensor(nodes, device=device)
+        slot_of = torch.full((tree.num_nodes,), -1, dtype=torch.long, device=device)
+        slot_of[list(self.slots[i])] = torch.tensor(list(self.slots[i].values()), device=device)
+        ancestors = tree.ancestor_mask()[idx]  # (F, N): a node's own column has no slot yet (-1)
+        sees_slots = torch.where(ancestors, slot_of[None], -1)
+        features = torch.stack([self.outputs[i][p] for p in tree.parents[idx].tolist()])  # (F, H)
+        committed = torch.full((len(nodes),), state.length - 1, device=device)  # pairs 0 .. n-2
+        return _Pairs(nodes, features, tree.tokens[idx], state.length - 1 + tree.depth[idx], committed, sees_slots, False)
+
+    def _run(self, pairs: dict[int, _Pairs]) -> None:
+        """One forward over the given requests' pairs (rows without any: padding), then record nodes and log-probs."""
+        starts = self._lengths()
+        first = next(iter(pairs.values()))
+        b, t, device = self.batch, max(len(p.tokens) for p in pairs.values()), first.features.device
+        width = max(starts) + t
+        features = first.features.new_zeros(b, t, first.features.shape[-1])
+        tokens = torch.zeros(b, t, dtype=torch.long, device=device)  # padding: token 0, masked, never read
+        first_slot = torch.tensor(starts, device=device)[:, None]  # (B, 1): the row's new pairs take the next T slots
+        positions = first_slot.repeat(1, t)  # (B, T); padding sits at its first slot's index
+        columns, new = torch.arange(width, device=device), torch.arange(t, device=device)
+        visible = torch.zeros(b, t, width, dtype=torch.bool, device=device)
+        visible[torch.arange(b, device=device)[:, None], new, first_slot + new] = True  # its own slot (padding: only it)
+        for i, p in pairs.items():
+            row, n = self.requests[i].row, len(p.tokens)
+            features[row, :n], tokens[row, :n], positions[row, :n] = p.features, p.tokens, p.positions
+            visible[row, :n] |= columns[None] < p.sees_prefix[:, None]
+            if p.sees_slots is not None:
+                query, node = (p.sees_slots >= 0).nonzero(as_tuple=True)
+                visible[row, query, p.sees_slots[query, node]] = True
+        mask = torch.full(visible.shape, torch.finfo(features.dtype).min, dtype=features.dtype, device=device)
+        mask = mask.masked_fill(visible, 0.0)[:, None]  # (B, 1, T, W) additive
+        out = self.head.draft_step(features, tokens, positions, mask, self.cache)  # (B, T, H)
+        # The root's forward reads only its last pair (the root's); a level's reads every pair.
+        read = {i: range(len(p.tokens) - 1, len(p.tokens)) if p.is_root else range(len(p.tokens)) for i, p in pairs.items()}
+        picked = torch.cat([out[self.requests[i].row, list(cols)] for i, cols in read.items()])  # (sum, H)
+        logp = self.head.draft_logp(picked).float().log_softmax(-1).split([len(c) for c in read.values()])
+        for (i, cols), row_logp in zip(read.items(), logp):
+            row = self.requests[i].row
+            for node, col, lp in zip(pairs[i].nodes, cols, row_logp):
+                self.outputs[i][node] = out[row, col]
+                self.slots[i][node] = starts[row] + col
+                self.logp[i][node] = lp

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgraft.heads.base import TrainBatch
+from typing import Sequence
+
+from specgraft.heads.base import DraftRequest, TrainBatch
 from specgraft.heads.configs import MedusaConfig
-from specgraft.model import Target
+from specgraft.model import BatchedKVCache, Target
 from specgraft.tree import Tree, TreePolicy
 from specgraft.tree.draw import DraftSampler
 
@@ -85,39 +87,55 @@ class MedusaHeads(nn.Module):
 
 
 class MedusaDrafter:
-    """Drafts with Medusa heads: depth d's distribution is head d - 1's, whatever the parent."""
+    """Drafts with Medusa heads: depth d's distribution is head d - 1's, whatever the parent.
+
+    A `BatchDrafter`: the heads run once per step for all rows, on their stacked hidden states.
+    """
 
     def __init__(self, heads: MedusaHeads, target: Target) -> None:
         self.heads = heads  # not put in eval mode here: the trainer's evaluator may share the module
         self.hidden_layers = heads.hidden_layers
 
-    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MedusaDraftState:
-        return MedusaDraftState(self.heads, hidden[self.hidden_layers[0]][-1])
+    def new_rows(self, rows: int, max_len: int) -> None:
+        return None  # no draft cache: a state is the target's last hidden state
+
+    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: None = None) -> MedusaDraftState:
+        return MedusaDraftState(self, hidden[self.hidden_layers[0]][-1])
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
+        hidden = torch.stack([request.state.last_hidden for request in requests]).float()  # (B, H)
+        logp = self.heads(hidden).log_softmax(-1)  # (K, B, V): head k drafts depth k + 1
+        trees = []
+        for b, request in enumerate(requests):
+            row_logp = logp[:, b]  # (K, V)
+
+            def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
+                return row_logp[tree.depth[frontier]]
+
+            max_depth = min(request.max_depth, self.heads.config.num_heads)
+            trees.append(request.policy.grow(
+                step, request.root_token, max_depth=max_depth, device=hidden.device, sampler=request.sampler
+            ))
+        return trees
 
 
 class MedusaDraftState:
     """One generation's Medusa state: the target's hidden state at its last cached token."""
 
-    def __init__(self, heads: MedusaHeads, last_hidden: torch.Tensor) -> None:
-        self.heads = heads
+    def __init__(self, drafter: MedusaDrafter, last_hidden: torch.Tensor) -> None:
+        self.drafter = drafter
         self.last_hidden = last_hidden  # (H,)
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.last_hidden = hidden[self.heads.hidden_layers[0]][-1]
+        self.last_hidden = hidden[self.drafter.hidden_layers[0]][-1]
 
     def cache_tokens(self) -> int:
         return 0
 
-    @torch.inference_mode()
     def propose(
         self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
     ) -> Tree:
-        max_depth = min(max_depth, self.heads.config.num_heads)
         if max_depth < 1:
             return Tree.root_only(root_token, self.last_hidden.device)
-        logp = self.heads(self.last_hidden.float()).log_softmax(-1)  # (K, V): head k drafts depth k + 1
-
-        def step(tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
-            return logp[tree.depth[frontier]]
-
-        return policy.grow(step, root_token, max_depth=max_depth, device=self.last_hidden.device, sampler=sampler)
+        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampler)])[0]

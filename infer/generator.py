@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from specgraft.heads.base import Drafter, DraftState
+from specgraft.heads.base import Drafter, DraftRequest, DraftState
 from specgraft.infer.detokenize import Detokenizer
 from specgraft.infer.sampling import Sampler, SamplingPolicy, check_prefix_free, make_generator
 from specgraft.infer.scheduler import Scheduler, per_prompt_options
@@ -219,6 +219,7 @@ class Decoding:
         self.sampler = sampler  # None: greedy
         self.acceptance = acceptance
         self.cache = cache if cache is not None else target.new_cache()  # a scheduler passes its row
+        self.draft_cache: StaticKVCache | None = None  # a scheduler's row of a batch drafter's cache, set before prefill
         self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         self.draft: DraftState | None = None  # this generation's own drafter state, from prefill on
         self.root: int | None = None
@@ -232,7 +233,11 @@ class Decoding:
             last_only=True,
         )
         if self.drafter is not None:
-            self.draft = self.drafter.start(self.prompt_ids, {i: h[0] for i, h in out.hidden.items()})
+            hidden = {i: h[0] for i, h in out.hidden.items()}
+            if self.draft_cache is None:
+                self.draft = self.drafter.start(self.prompt_ids, hidden)
+            else:
+                self.draft = self.drafter.start(self.prompt_ids, hidden, cache=self.draft_cache)
         last = out.logits[0, -1]
         if self.sampler is None:
             self.root = int(self.sampling.ban(last).argmax())
@@ -257,6 +262,12 @@ class Decoding:
         if self.draft is None or max_depth < 1:
             return Tree.root_only(self.root, self.target.device)
         return self.draft.propose(self.root, self.policy, max_depth, self.sampler).to(self.target.device)
+
+    def draft_request(self, max_depth: int, row: int) -> DraftRequest | None:
+        """This step's draft as a request a batch drafter serves with other rows' (None: nothing to draft)."""
+        if self.draft is None or max_depth < 1:
+            return None
+        return DraftRequest(self.draft, self.root, self.policy, max_depth, self.sampler, row)
 
     def commit(self, tree: Tree, prefix: int, logits: torch.Tensor, hidden: dict[int, torch.Tensor]) -> StepResult:
         """Accept a path of the verified ``tree`` and keep only it, in the target's cache and the drafter's.

@@ -9,12 +9,16 @@ leaves at once and frees its cache row. Every generation owns its state
 (target cache row, drafter state, sampler, stop rule, stats), so rows never
 see each other; loaded weights are shared.
 
-One step: each row's drafter grows its own tree (its own size and depth),
-then one target forward verifies every row's tree over a `BatchedKVCache`
-(trees padded to the widest, a 4D mask per row, positions per row), then
-each row accepts and commits its own path. Targets without the fast path
-(Hugging Face's forward) verify row by row instead: transformers' caches
-hold one length for the whole batch.
+One step: every row's tree is drafted, then one target forward verifies
+every row's tree over a `BatchedKVCache` (trees padded to the widest, a 4D
+mask per row, positions per row), then each row accepts and commits its own
+path. A `BatchDrafter` (Medusa, EAGLE, EAGLE-3) drafts all rows' trees
+together, its head run once per tree level for every row (each row keeps its
+own sampler, filters and depth), its draft caches rows of a batched cache of
+its own beside the target's; other drafters (prompt lookup, a draft model)
+draft row by row. Targets without the fast path (Hugging Face's forward)
+draft and verify row by row instead: transformers' caches hold one length
+for the whole batch.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
+from specgraft.heads.base import BatchDrafter, DraftRequest
 from specgraft.infer.stopping import StopRule
 from specgraft.model import TREE_SLOTS
-from specgraft.tree import batched_tree_inputs
+from specgraft.tree import Tree, batched_tree_inputs
 
 if TYPE_CHECKING:
     from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator
@@ -76,6 +81,10 @@ class Scheduler:
         self.generator = generator
         self.max_batch_size = max_batch_size
         self.cache = target.new_batched_cache(max_batch_size, self.max_len + TREE_SLOTS)  # None: row by row
+        drafter = generator.drafter
+        # A drafter that drafts every row together, and its draft caches' rows (row r beside the target's row r).
+        self.batch_drafter = drafter if self.cache is not None and isinstance(drafter, BatchDrafter) else None
+        self.draft_rows = None if self.batch_drafter is None else drafter.new_rows(max_batch_size, self.max_len + TREE_SLOTS)
         self.queued: OrderedDict[int, _Sequence] = OrderedDict()
         self.running: OrderedDict[int, _Sequence] = OrderedDict()
         self.done: dict[int, GenerationOutput] = {}
@@ -110,6 +119,8 @@ class Scheduler:
             handle, seq = self.queued.popitem(last=False)
             if self.cache is not None:
                 seq.row, seq.decoding.cache = self.cache.acquire()
+                if self.draft_rows is not None:
+                    _, seq.decoding.draft_cache = self.draft_rows.acquire(seq.row)
             self.running[handle] = seq
             kept = self._isolated(handle, lambda: seq.decoding.advance(seq.rule))  # prefill: the first token
             if kept is not None:
@@ -133,9 +144,18 @@ class Scheduler:
         """One speculative step for every live row: each drafts its tree, one forward verifies them all."""
         target = self.generator.target
         trees, prefixes = {}, {}
+        together: list[tuple[int, _Sequence, DraftRequest]] = []  # rows the batch drafter drafts in one go
         for handle, seq in live:
             seq.decoding.recorder.begin_step()
-            tree = self._isolated(handle, lambda: seq.decoding.propose(seq.rule.remaining() - 1))
+            max_depth = seq.rule.remaining() - 1
+            request = seq.decoding.draft_request(max_depth, seq.row) if self.batch_drafter is not None else None
+            if request is not None:
+                together.append((handle, seq, request))
+                continue
+            tree = self._isolated(handle, lambda: seq.decoding.propose(max_depth))
+            if tree is not None:
+                prefixes[seq.row], trees[seq.row] = len(seq.decoding.cache), tree
+        for (handle, seq, _), tree in zip(together, self._propose_together(together)):
             if tree is not None:
                 prefixes[seq.row], trees[seq.row] = len(seq.decoding.cache), tree
         live = [(h, seq) for h, seq in live if h in self.running]
@@ -160,6 +180,17 @@ class Scheduler:
                 kept[handle] = self._keep(seq, tokens)
         return kept
 
+    def _propose_together(self, together: list[tuple[int, _Sequence, DraftRequest]]) -> list[Tree | None]:
+        """The batch drafter's trees for these rows, in one go. If it raises, the rows draft again one by one,
+        so that only a row whose own draft fails leaves (None)."""
+        if not together:
+            return []
+        try:
+            trees = self.batch_drafter.propose_batch([request for _, _, request in together], self.draft_rows)
+        except Exception:  # whose fault is unknown: each row drafts alone, isolated
+            return [self._isolated(h, lambda: seq.decoding.propose(request.max_depth)) for h, seq, request in together]
+        return [tree.to(self.generator.target.device) for tree in trees]
+
     def _isolated(self, handle: int, work: Callable[[], T]) -> T | None:
         """Run one generation's own work; if it raises, that generation alone fails and leaves (None)."""
         try:
@@ -179,6 +210,8 @@ class Scheduler:
         seq = self.running.pop(handle)
         if seq.row is not None:
             self.cache.release(seq.row)
+            if self.draft_rows is not None:
+                self.draft_rows.release(seq.row)
             seq.row = None
 
     def finished(self, handle: int) -> bool:

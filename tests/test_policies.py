@@ -289,3 +289,32 @@ def test_parse_rejects_unknown_specs(spec):
 def test_parse_chain_of_depth_zero_is_an_error():
     with pytest.raises(ValueError, match="depth must be >= 1"):
         parse_tree_spec("chain:0")
+
+
+# --- growing several trees together -----------------------------------------------------------
+
+
+def test_grow_together_asks_once_per_level_and_each_tree_equals_growing_it_alone():
+    from specgraft.tree import DynamicTree, grow_together
+
+    policies = [Chain(depth=3), StaticTree(CHOICES), DynamicTree(top_k=2, depth=2, budget=4), Chain(depth=1)]
+    roots = [0, 2, 4, 1]
+    calls: list[list[int]] = []
+
+    def step_all(asked):
+        calls.append([i for i, _, _ in asked])
+        return [LOGP[tree.tokens[frontier]] for _, tree, frontier in asked]
+
+    together = grow_together([p.levels(r) for p, r in zip(policies, roots)], step_all)
+    assert calls == [[0, 1, 2, 3], [0, 1, 2], [0]]  # the depth-1 chain stops after level 1, the others after theirs
+    for policy, root, tree in zip(policies, roots, together):
+        alone = policy.grow(FakeStep(), root_token=root)
+        assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
+        assert tree.scores.tolist() == alone.scores.tolist()
+
+
+def test_a_growth_of_depth_zero_returns_the_root_without_asking():
+    from specgraft.tree import grow_together
+
+    (tree,) = grow_together([Chain(depth=3).levels(7, max_depth=0)], lambda asked: pytest.fail("asked for a level"))
+    assert tree.tokens.tolist() == [7]

@@ -144,10 +144,11 @@ def with_random_head(target, kind: str):
     import torch
 
     from specgraft.heads import as_drafter, build_head
-    from specgraft.heads.configs import EagleConfig, MedusaConfig
+    from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 
     config, tree = {
         "eagle_dynamic": (EagleConfig(), sg.DynamicTree(top_k=4, depth=5, budget=16)),
+        "eagle3_static": (Eagle3Config(), sg.StaticTree(BRANCHING_TREE)),
         "medusa_static": (MedusaConfig(num_heads=3), sg.StaticTree(BRANCHING_TREE)),
     }[kind]
     head = build_head(config, target).eval()
@@ -184,6 +185,127 @@ def test_a_batch_of_eight_equals_batch_one_and_hf_greedy(stories, eight, kind, r
     if kind == "trained_eagle_dynamic":
         taus = sorted(round(out.stats.mean_accepted_length, 2) for out in outs)
         assert taus[len(taus) // 2] > 2.0, taus  # the head really drafts: deep paths accepted in most rows
+
+
+def batch_drafter_case(target, kind: str, request) -> sg.SpeculativeGenerator:
+    if kind == "trained_eagle":
+        drafter = sg.load_drafter(request.getfixturevalue("trained_eagle"), target)
+        return sg.SpeculativeGenerator(target, drafter, tree=sg.DynamicTree(top_k=4, depth=5, budget=16))
+    return with_random_head(target, kind)
+
+
+@pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static", "medusa_static"])
+def test_mixed_rows_drafted_together_each_equal_their_run_alone(stories, prompts, kind, request, monkeypatch):
+    """Greedy rows beside sampling rows with their own filters, budgets that cap some rows' depth (down to plain
+    decoding at the end), and a cancelled row: one batched draft call per step serves them all."""
+    from specgraft.heads.base import BatchDrafter
+
+    gen = batch_drafter_case(stories, kind, request)
+    assert isinstance(gen.drafter, BatchDrafter)
+    sizes = []
+    propose_batch = type(gen.drafter).propose_batch
+    monkeypatch.setattr(type(gen.drafter), "propose_batch", lambda self, reqs, rows=None: (
+        sizes.append(len(reqs)), propose_batch(self, reqs, rows))[1])
+    options = [
+        dict(max_new_tokens=40),
+        dict(max_new_tokens=30, temperature=0.8, top_k=20, seed=1),
+        dict(max_new_tokens=5),  # drafts shallower as its budget runs out, then decodes plainly
+        dict(max_new_tokens=35, temperature=1.0, top_p=0.9, seed=2),
+        dict(max_new_tokens=40),  # cancelled after two steps
+    ]
+    sched = gen.scheduler(max_batch_size=5)
+    handles = [sched.submit(p, eos_token_id=(), **o) for p, o in zip(prompts, options)]
+    sched.step()
+    sched.step()
+    sched.cancel(handles[4])
+    while not all(sched.finished(h) for h in handles[:4]):
+        sched.step()
+    assert sizes[:2] == [5, 5] and 1 <= max(sizes[2:]) <= 4  # every drafting row in one call, the cancelled one gone
+    for h, prompt, opts in zip(handles, prompts, options[:4]):
+        out, alone = sched.result(h), gen.generate(prompt, eos_token_id=(), **opts)
+        assert out.token_ids == alone.token_ids
+        if "temperature" not in opts:
+            assert out.token_ids == hf_generate(stories, stories.encode(prompt), opts["max_new_tokens"], eos_token_id=None)
+
+
+@pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static", "medusa_static"])
+def test_a_batched_draft_grows_each_rows_tree_as_it_grows_alone(stories, prompts, kind, request):
+    """Rows with different policies and depths (a grow-only policy included) drafted in one call: each row's tree is
+    the one its state proposes alone, and every row's draft cache holds only committed pairs afterwards."""
+    from specgraft.heads.base import DraftRequest
+    from specgraft.tree import TreeBuilder
+
+    class GrowOnlyChain:  # a policy without `levels`: drafted on its own, through the same code
+        max_depth = 2
+
+        def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+            builder, last = TreeBuilder(root_token, device), torch.zeros(1, dtype=torch.long)
+            for _ in range(min(2, max_depth or 2)):
+                logp = step(builder.tree(), last)
+                last = builder.add(logp.argmax(-1), last, builder.tree().scores[last] + logp.max(-1).values)
+            return builder.tree()
+
+    import torch
+
+    gen = batch_drafter_case(stories, kind, request)
+    rows = gen.drafter.new_rows(4, 256)
+    policies = [sg.Chain(3), sg.DynamicTree(top_k=3, depth=4, budget=10), sg.StaticTree(BRANCHING_TREE), GrowOnlyChain()]
+    decodings = []
+    for i, prompt in enumerate(prompts[:4]):
+        decoding, _ = gen._begin(prompt, 16)
+        if rows is not None:
+            decoding.draft_cache = rows.acquire(i)[1]
+        decoding.prefill()
+        decodings.append(decoding)
+    for policies_now in (policies, policies[:3]):  # with a grow-only policy among them, and all growing together
+        requests = [DraftRequest(d.draft, d.root, p, 1 + i, None, i) for i, (d, p) in enumerate(zip(decodings, policies_now))]
+        together = gen.drafter.propose_batch(requests, rows)
+        for r, tree in zip(requests, together):
+            alone = r.state.propose(r.root_token, r.policy, r.max_depth)
+            assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
+            assert torch.allclose(tree.scores, alone.scores, atol=1e-4)
+            assert tree.max_depth <= r.max_depth
+        if rows is not None:
+            assert rows.lengths(4) == [len(d.prompt_ids) - 1 for d in decodings]  # committed pairs only
+
+
+@pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static"])
+def test_batched_feature_drafts_score_each_node_as_a_causal_run_of_its_path(stories, prompts, kind, request):
+    """The reference: each node's score is the draft log-prob of its path run pair by pair, causally, on a fresh
+    cache; rows of different lengths drafted together (tree masks, padding, per-row slots) must give exactly it."""
+    import torch
+
+    from specgraft.heads.base import DraftRequest
+
+    gen = batch_drafter_case(stories, kind, request)
+    drafter, head = gen.drafter, gen.drafter.head
+    rows = drafter.new_rows(3, 256)
+    requests, references = [], []
+    for row, prompt in enumerate(prompts[:3]):
+        ids = torch.tensor(stories.encode(prompt))
+        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=head.hidden_layers)
+        hidden = {i: h[0] for i, h in out.hidden.items()}
+        root = int(out.logits[0, -1].argmax())
+        state = drafter.start(ids, hidden, cache=rows.acquire(row)[1])
+        requests.append(DraftRequest(state, root, sg.StaticTree(BRANCHING_TREE), 3, None, row))
+        references.append((head.draft_features(hidden), torch.cat([ids[1:], torch.tensor([root])])))
+
+    @torch.inference_mode()
+    def causal_score(features, tokens, path: list[int]) -> float:
+        cache, n = head.new_draft_cache(256), len(tokens)
+        h = head.draft_step(features[None], tokens[None], torch.arange(n)[None], None, cache)[:, -1:]
+        score = 0.0
+        for depth, token in enumerate(path):
+            score += float(head.draft_logp(h[0, -1]).float().log_softmax(-1)[token])
+            h = head.draft_step(h, torch.tensor([[token]]), torch.tensor([[n + depth]]), None, cache)
+        return score
+
+    trees = drafter.propose_batch(requests, rows)
+    for tree, (features, tokens) in zip(trees, references):
+        assert tree.num_nodes == 1 + len(BRANCHING_TREE)
+        for node in range(1, tree.num_nodes):
+            path = tree.tokens[tree.path_to(node)[1:]].tolist()
+            assert float(tree.scores[node]) == pytest.approx(causal_score(features, tokens, path), abs=1e-4), node
 
 
 def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(prompts):

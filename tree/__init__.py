@@ -2,19 +2,21 @@
 
 from specgraft.tree.dynamic import DynamicTree
 from specgraft.tree.mask import additive_mask, batched_tree_inputs, tree_attention_mask, tree_position_ids
-from specgraft.tree.policies import Chain, StaticTree, TreeBuilder, TreePolicy, parse_tree_spec
+from specgraft.tree.policies import Chain, Growth, StaticTree, TreeBuilder, TreePolicy, grow_together, parse_tree_spec
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
 __all__ = [
     "ROOT_PARENT",
     "Chain",
     "DynamicTree",
+    "Growth",
     "StaticTree",
     "Tree",
     "TreeBuilder",
     "TreePolicy",
     "additive_mask",
     "batched_tree_inputs",
+    "grow_together",
     "parse_tree_spec",
     "tree_attention_mask",
     "tree_position_ids",

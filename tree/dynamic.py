@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specgraft.tree.draw import DraftSampler
-from specgraft.tree.policies import StepFn, TreeBuilder
+from specgraft.tree.policies import Growth, StepFn, TreeBuilder, drive
 from specgraft.tree.tree import Tree
 
 
@@ -45,11 +45,17 @@ class DynamicTree:
         device: torch.device | str = "cpu",
         sampler: DraftSampler | None = None,
     ) -> Tree:
+        return drive(self.levels(root_token, max_depth, device, sampler), step)
+
+    def levels(
+        self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
+    ) -> Growth:
         depth = self.depth if max_depth is None else min(self.depth, max_depth)
         builder = TreeBuilder(root_token, device)
         frontier = torch.zeros(1, dtype=torch.long, device=device)
         for _ in range(depth):
-            logp = step(builder.tree(), frontier)  # (F, V)
+            logp = yield builder.tree(), frontier  # (F, V)
             top_logp, top_tok = logp.topk(self.top_k, dim=-1)  # (F, k)
             scores = builder.tree().scores[frontier][:, None] + top_logp  # (F, k) cumulative
             children = builder.add(top_tok.flatten(), frontier.repeat_interleave(self.top_k), scores.flatten())
@@ -62,9 +68,9 @@ def rerank(tree: Tree, budget: int) -> Tree:
     """The root plus the ``budget`` best draft nodes by cumulative score, parents ranked before children on ties."""
     if tree.num_draft_tokens <= budget:
         return tree
-    draft = torch.arange(1, tree.num_nodes, device=tree.tokens.device)
+    scores, depth = tree.scores.tolist(), tree.depth.tolist()  # read once: indexing tensors per key is slow
     # Sort by score (descending), then depth (ascending): a parent is never ranked below its child.
-    order = sorted(draft.tolist(), key=lambda i: (-float(tree.scores[i]), int(tree.depth[i])))
+    order = sorted(range(1, tree.num_nodes), key=lambda i: (-scores[i], depth[i]))
     keep = torch.tensor(sorted([0] + order[:budget]), device=tree.tokens.device)
     return subtree(tree, keep)
 

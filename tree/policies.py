@@ -4,6 +4,13 @@ A step function takes the tree grown so far and the indices of frontier
 nodes to expand, and returns the drafter's log-probabilities for each
 frontier node's next token, shape (F, V). A policy decides which children
 to keep. Policies never see a model: drafters never see a tree shape.
+
+A policy's growth is a generator, `levels`: it yields (tree so far,
+frontier) and is sent the frontier's (F, V) log-probs, level by level, and
+returns the finished tree. `grow` drives one growth with a step function;
+`grow_together` drives several at once, so a drafter can run one forward
+per level for many sequences' trees. A policy that only has `grow` still
+works everywhere, one tree at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generator, Protocol, Sequence
 
 import torch
 
@@ -19,10 +26,18 @@ from specgraft.tree.draw import DraftSampler, Picked, check_draw, pick_children
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
 StepFn = Callable[[Tree, torch.Tensor], torch.Tensor]
+# A tree growing level by level: yields (tree so far, frontier (F,)), is sent (F, V) log-probs, returns the tree.
+Growth = Generator[tuple[Tree, torch.Tensor], torch.Tensor, Tree]
+# Several growths' requests of one level, (index, tree, frontier) each -> each one's (F, V) log-probs, in order.
+StepAllFn = Callable[[list[tuple[int, Tree, torch.Tensor]]], list[torch.Tensor]]
 
 
 class TreePolicy(Protocol):
-    """Anything that grows a tree from a root token and a step function."""
+    """Anything that grows a tree from a root token and a step function.
+
+    Chain, StaticTree and DynamicTree also offer ``levels`` (the same growth as a
+    `Growth`), which lets `grow_together` grow them beside other trees.
+    """
 
     max_depth: int
 
@@ -35,6 +50,40 @@ class TreePolicy(Protocol):
         sampler: DraftSampler | None = None,
     ) -> Tree:
         """Grow a tree; ``sampler`` is None under greedy decoding (children are then top-k)."""
+
+
+def drive(growth: Growth, step: StepFn) -> Tree:
+    """Run one growth to its tree, answering each level with ``step``."""
+    try:
+        asked = next(growth)
+        while True:
+            asked = growth.send(step(*asked))
+    except StopIteration as done:
+        return done.value
+
+
+def grow_together(growths: Sequence[Growth], step_all: StepAllFn) -> list[Tree]:
+    """Run several growths level by level: one ``step_all`` call per level answers every growth still growing.
+
+    Growths of different depths finish at different levels; the others go on without them.
+    """
+    trees: list[Tree | None] = [None] * len(growths)
+    waiting: dict[int, tuple[Tree, torch.Tensor]] = {}
+
+    def advance(i: int, logp: torch.Tensor | None) -> None:
+        try:
+            waiting[i] = growths[i].send(logp)  # send(None) starts a growth
+        except StopIteration as done:
+            trees[i] = done.value
+
+    for i in range(len(growths)):
+        advance(i, None)
+    while waiting:
+        asked = [(i, tree, frontier) for i, (tree, frontier) in waiting.items()]
+        waiting.clear()
+        for (i, _, _), logp in zip(asked, step_all(asked), strict=True):
+            advance(i, logp)
+    return trees
 
 
 class TreeBuilder:
@@ -137,11 +186,17 @@ class Chain:
         device: torch.device | str = "cpu",
         sampler: DraftSampler | None = None,
     ) -> Tree:
+        return drive(self.levels(root_token, max_depth, device, sampler), step)
+
+    def levels(
+        self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
+    ) -> Growth:
         depth = self.depth if max_depth is None else min(self.depth, max_depth)
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long, device=device)
         for _ in range(depth):
-            logp = step(builder.tree(), last)  # (1, V)
+            logp = yield builder.tree(), last  # (1, V)
             last = builder.add_picked(last, pick_children(logp, 1, self.draw, sampler))
         return builder.tree()
 
@@ -220,6 +275,12 @@ class StaticTree:
         device: torch.device | str = "cpu",
         sampler: DraftSampler | None = None,
     ) -> Tree:
+        return drive(self.levels(root_token, max_depth, device, sampler), step)
+
+    def levels(
+        self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
+        sampler: DraftSampler | None = None,
+    ) -> Growth:
         builder = TreeBuilder(root_token, device)
         sampled = sampler is not None and self.draw != "top-k"
         builder.without_replacement = sampled and self.draw == "sample-without-replacement"
@@ -237,7 +298,8 @@ class StaticTree:
             # never sees, so a parent's m sampled children are its first m draws, ranks in order.
             slots = [range(len(ranks)) if sampled else ranks for _, ranks in level]
             k = max(max(s) for s in slots) + 1
-            picked = pick_children(step(builder.tree(), frontier), k, self.draw, sampler)  # (F, <=k)
+            logp = yield builder.tree(), frontier  # (F, V)
+            picked = pick_children(logp, k, self.draw, sampler)  # (F, <=k)
             keep = torch.zeros_like(picked.tokens, dtype=torch.bool)
             for row, s in enumerate(slots):
                 keep[row, [j for j in s if j < keep.shape[1]]] = True

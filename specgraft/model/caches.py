@@ -202,15 +202,18 @@ class BatchedKVCache:
     def rows(self) -> int:
         return self.kv.shape[2]
 
-    def acquire(self) -> tuple[int, StaticKVCache]:
-        """The lowest free row and an empty single-sequence cache over it.
+    def acquire(self, row: int | None = None) -> tuple[int, StaticKVCache]:
+        """A free row (the lowest, or ``row``) and an empty single-sequence cache over it.
 
         Raises:
-            RuntimeError: every row is taken.
+            RuntimeError: every row is taken, or ``row`` is.
         """
-        row = next((r for r, view in enumerate(self.views) if view is None), None)
         if row is None:
-            raise RuntimeError(f"all {self.rows} rows of the batched KV cache are in use")
+            row = next((r for r, view in enumerate(self.views) if view is None), None)
+            if row is None:
+                raise RuntimeError(f"all {self.rows} rows of the batched KV cache are in use")
+        elif self.views[row] is not None:
+            raise RuntimeError(f"row {row} of the batched KV cache is in use")
         layers, _, _, heads, slots, dim = self.kv.shape
         view = StaticKVCache(layers, heads, dim, max_len=slots, dtype=self.kv.dtype, device=self.kv.device)
         view.kv = self.kv[:, :, row : row + 1]  # (layers, 2, 1, Hkv, C, D): writes land in the shared storage

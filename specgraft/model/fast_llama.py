@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgraft.model.caches import FIRST_ALLOCATION, StaticKVCache
+from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
 
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
 # refused: they may override any part of the forward.
@@ -226,6 +226,13 @@ class FastLlama:
         weight = self.layers[0].q
         return StaticKVCache(
             self.num_layers, self.kv_heads, self.head_dim, max_len=max_len, dtype=weight.dtype, device=weight.device
+        )
+
+    def new_batched_cache(self, rows: int, max_len: int) -> BatchedKVCache:
+        """Rows of ``max_len`` slots for a batch of sequences, each row a `StaticKVCache` view (`BatchedKVCache.acquire`)."""
+        weight = self.layers[0].q
+        return BatchedKVCache(
+            self.num_layers, self.kv_heads, self.head_dim, rows=rows, max_len=max_len, dtype=weight.dtype, device=weight.device
         )
 
     @torch.inference_mode()
