@@ -21,6 +21,8 @@ from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
 from specgraft.heads.export import export_head, validate_export
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
+from specgraft.heads.layer_skip import LayerSkip, parse_layer_set
+from specgraft.heads.layer_skip_search import LayerSkipSearch, search_layer_skip
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
 from specgraft.model import Target
@@ -80,16 +82,24 @@ def load_drafter(path: str | Path, target: Target) -> Drafter:
     return as_drafter(load_head(path, target), target)
 
 
+LAYER_SKIP_PREFIX = "layer-skip:"  # --drafter layer-skip:12-19,22 skips those decoder layers (inclusive ranges)
+
+
 def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
-    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself) or a directory."""
+    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself),
+    ``layer-skip:LAYERS`` (the target drafts with those layers left out, e.g. ``layer-skip:12-19``) or a directory."""
     if spec == "none":
         return None
     if spec == "prompt-lookup":
         return PromptLookup()
     if spec == "self":
         return DraftModel(target, target)
+    if spec.startswith(LAYER_SKIP_PREFIX):
+        return LayerSkip(target, skip=parse_layer_set(spec[len(LAYER_SKIP_PREFIX):]))
     if not Path(spec).expanduser().is_dir():
-        raise FileNotFoundError(f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self' or a drafter directory")
+        raise FileNotFoundError(
+            f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', 'layer-skip:LAYERS' or a drafter directory"
+        )
     return load_drafter(spec, target)
 
 
@@ -103,6 +113,8 @@ __all__ = [
     "EagleHead",
     "FeatureDrafter",
     "HeadConfig",
+    "LayerSkip",
+    "LayerSkipSearch",
     "MedusaDrafter",
     "MedusaHeads",
     "PromptLookup",
@@ -116,5 +128,6 @@ __all__ = [
     "load_drafter",
     "load_head",
     "save_head",
+    "search_layer_skip",
     "validate_export",
 ]
