@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from specgraft.heads import PromptLookup, drafter_from_spec
+from specgraft.heads import LAYER_SKIP_PREFIX, PromptLookup, drafter_from_spec
 from specgraft.heads.base import Drafter
 # Re-exported: bench.py was one file, and callers import these names from it.
 from specgraft.infer.bench_report import PLOTS as PLOTS
@@ -443,9 +443,10 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
 
 
 def _check_drafter_spec(spec: str) -> None:
-    if spec not in ("prompt-lookup", "self") and not Path(spec).expanduser().is_dir():
+    if spec not in ("prompt-lookup", "self") and not spec.startswith(LAYER_SKIP_PREFIX) and not Path(spec).expanduser().is_dir():
         raise FileNotFoundError(
-            f"--drafter {spec!r}: expected 'prompt-lookup', 'self', or a draft-model / head directory (not found)"
+            f"--drafter {spec!r}: expected 'prompt-lookup', 'self', 'layer-skip:LAYERS', or a draft-model / head "
+            "directory (not found)"
         )
 
 
@@ -471,7 +472,8 @@ def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], targ
     def labelled(spec: str) -> tuple[str, Drafter]:
         if spec not in drafters:
             drafters[spec] = build_drafter(spec, target)
-        return (spec if spec in ("prompt-lookup", "self") else drafter_label(Path(spec))), drafters[spec]
+        named = spec in ("prompt-lookup", "self") or spec.startswith(LAYER_SKIP_PREFIX)
+        return (spec if named else drafter_label(Path(spec))), drafters[spec]
 
     methods: list[MethodSpec] = []
     for spec in args.drafter:

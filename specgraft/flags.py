@@ -30,7 +30,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "stops paying (see specgraft.infer.bench_batch); plain decoding always runs")
     parser.add_argument(
         "--drafter", action="append", default=[],
-        help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
+        help="'prompt-lookup', 'self' (the target drafts for itself), 'layer-skip:LAYERS' (the target drafts with "
+        "those decoder layers left out, e.g. layer-skip:12-19), a draft-model directory or a trained head "
         "directory (repeatable; each is crossed with each --tree). With --server: the one drafter NAME the "
         "requests ask for when speculation is on (default 'auto', the server's default)",
     )
