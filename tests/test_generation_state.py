@@ -65,6 +65,8 @@ def drafter_case(kind: str, target: sg.Target):
         return random_head(EagleConfig(), target), sg.DynamicTree(top_k=3, depth=4, budget=12)
     if kind == "eagle3_chain":
         return random_head(Eagle3Config(aux_layers=[1, 2, 3]), target), sg.Chain(3)
+    if kind == "layer_skip_tree":
+        return sg.LayerSkip(target, skip=[2]), sg.StaticTree(BRANCHING_TREE)
     if kind == "medusa_tree":
         return random_head(MedusaConfig(num_heads=3), target), sg.StaticTree(BRANCHING_TREE)
     raise KeyError(kind)
@@ -92,7 +94,9 @@ def prompts(stories, dev_prompts) -> list[list[int]]:
     return [stories.encode(dev_prompts[3]), stories.encode(dev_prompts[7])]
 
 
-@pytest.mark.parametrize("kind", ["prompt_lookup", "self_tree", "eagle_dynamic", "eagle3_chain", "medusa_tree"])
+@pytest.mark.parametrize(
+    "kind", ["prompt_lookup", "self_tree", "layer_skip_tree", "eagle_dynamic", "eagle3_chain", "medusa_tree"]
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
 def test_interleaved_streams_equal_each_run_alone(stories, prompts, kind, temperature):
     drafter, tree = drafter_case(kind, stories)
