@@ -222,7 +222,7 @@ def cmd_search_layer_skip(args: argparse.Namespace) -> int:
     print(f"{'skipped':>8} {'agreement':>9} {'draft cost':>10} {'depth':>5} {'tau':>5} {'speed-up':>8}  drafter")
     for c in result.path:
         print(f"{len(c.skip):8d} {c.agreement:9.3f} {c.draft_cost:10.3f} {c.depth:5d} {c.expected_tokens:5.2f} "
-              f"{c.expected_speedup:7.2f}x  {c.spec}")
+              f"{c.expected_speedup:7.2f}x  {c.spec if c.skip else '(none: the target itself, for reference)'}")
     print(f"chosen: --drafter {result.best.spec} --tree chain:{result.best.depth} "
           f"(expected {result.best.expected_speedup:.2f}x plain decoding; measure it with `specgraft bench`)")
     if result.best.expected_speedup <= 1.0:
