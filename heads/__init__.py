@@ -22,9 +22,11 @@ from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
 from specgraft.heads.export import export_head, validate_export
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
+from specgraft.heads.layer_skip import LayerSkip, parse_layer_set
+from specgraft.heads.layer_skip_search import LayerSkipSearch, search_layer_skip
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.flags import COMPOSITE_PREFIX
+from specgraft.flags import COMPOSITE_PREFIX, LAYER_SKIP_PREFIX
 from specgraft.model import Target
 
 
@@ -83,8 +85,9 @@ def load_drafter(path: str | Path, target: Target) -> Drafter:
 
 
 def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
-    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself), a directory,
-    or ``prompt-lookup+`` followed by one of the last two (`Composite`; the lookup takes one match, so the tree
+    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself),
+    ``layer-skip:LAYERS`` (the target drafts with those layers left out, e.g. ``layer-skip:12-19``), a directory,
+    or ``prompt-lookup+`` followed by one of the last three (`Composite`; the lookup takes one match, so the tree
     keeps the size its policy gives it)."""
     if spec == "none":
         return None
@@ -92,14 +95,17 @@ def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
         return PromptLookup()
     if spec == "self":
         return DraftModel(target, target)
+    if spec.startswith(LAYER_SKIP_PREFIX):
+        return LayerSkip(target, skip=parse_layer_set(spec[len(LAYER_SKIP_PREFIX):]))
     if spec.startswith(COMPOSITE_PREFIX):
         then = drafter_from_spec(spec.removeprefix(COMPOSITE_PREFIX), target)
         if then is None or isinstance(then, (PromptLookup, Composite)):
-            raise ValueError(f"drafter {spec!r}: after 'prompt-lookup+' comes 'self' or a drafter directory")
+            raise ValueError(f"drafter {spec!r}: after 'prompt-lookup+' comes 'self', 'layer-skip:LAYERS' or a drafter directory")
         return Composite(PromptLookup(max_matches=1), then)
     if not Path(spec).expanduser().is_dir():
         raise FileNotFoundError(
-            f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', a drafter directory or 'prompt-lookup+' and one of the last two"
+            f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', 'layer-skip:LAYERS', a drafter directory "
+            "or 'prompt-lookup+' and one of the last three"
         )
     return load_drafter(spec, target)
 
@@ -115,6 +121,8 @@ __all__ = [
     "EagleHead",
     "FeatureDrafter",
     "HeadConfig",
+    "LayerSkip",
+    "LayerSkipSearch",
     "MedusaDrafter",
     "MedusaHeads",
     "PromptLookup",
@@ -128,5 +136,6 @@ __all__ = [
     "load_drafter",
     "load_head",
     "save_head",
+    "search_layer_skip",
     "validate_export",
 ]

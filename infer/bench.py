@@ -56,7 +56,7 @@ from specgraft.infer.prompts import BenchPrompt, read_prompt_file
 from specgraft.infer.prompts import encode_prompt as encode_prompt
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
-from specgraft.flags import COMPOSITE_PREFIX, NAMED_DRAFTERS, check_drafter_spec
+from specgraft.flags import COMPOSITE_PREFIX, LAYER_SKIP_PREFIX, NAMED_DRAFTERS, check_drafter_spec
 from specgraft.flags import add_bench_arguments as add_bench_arguments
 from specgraft.threads import apply_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
@@ -472,7 +472,7 @@ def spec_label(spec: str) -> str:
     """A --drafter value's name in tables: named drafters as given, directories by `drafter_label`."""
     if spec.startswith(COMPOSITE_PREFIX):
         return COMPOSITE_PREFIX + spec_label(spec.removeprefix(COMPOSITE_PREFIX))
-    return spec if spec in NAMED_DRAFTERS else drafter_label(Path(spec))
+    return spec if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX) else drafter_label(Path(spec))
 
 
 def drafter_label(path: Path) -> str:

@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from specgraft.flags import PROMPT_LOOKUP
+from specgraft.flags import LAYER_SKIP_PREFIX, PROMPT_LOOKUP
 from specgraft.flags import add_serve_arguments as add_serve_arguments
 from specgraft.heads import PromptLookup, drafter_from_spec, load_drafter
 from specgraft.heads.base import Drafter
@@ -465,7 +465,7 @@ def parse_drafter_flags(flags: list[str]) -> dict[str, str]:
             raise ValueError(f"--drafter {flag!r}: expected NAME=HEAD_DIR")
         if name in ("none", "auto", PROMPT_LOOKUP) or name in named:
             raise ValueError(f"--drafter {flag!r}: the name {name!r} is reserved or given twice")
-        if path != "self" and not Path(path).expanduser().is_dir():
+        if path != "self" and not path.startswith(LAYER_SKIP_PREFIX) and not Path(path).expanduser().is_dir():
             raise FileNotFoundError(f"--drafter {flag!r}: directory {path!r} does not exist")
         named[name] = path
     return named
@@ -482,8 +482,10 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
         raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
-    drafters = {name: drafter_from_spec(path, target) if path == "self" else load_drafter(path, target)
-                for name, path in named.items()}
+    drafters = {
+        name: drafter_from_spec(path, target) if path == "self" or path.startswith(LAYER_SKIP_PREFIX) else load_drafter(path, target)
+        for name, path in named.items()
+    }
     app = create_app(
         target, drafters, default_drafter=args.default_drafter, default_tree=tree,
         model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,

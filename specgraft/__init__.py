@@ -15,7 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specgraft.heads import Composite, DraftModel, Drafter, PromptLookup, load_drafter
+    from specgraft.heads import Composite, DraftModel, Drafter, LayerSkip, PromptLookup, load_drafter, search_layer_skip
     from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
     from specgraft.model import KVCache, Target, load_target
     from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
@@ -24,7 +24,10 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    **dict.fromkeys(("Composite", "DraftModel", "Drafter", "PromptLookup", "load_drafter"), "specgraft.heads"),
+    **dict.fromkeys(
+        ("Composite", "DraftModel", "Drafter", "LayerSkip", "PromptLookup", "load_drafter", "search_layer_skip"),
+        "specgraft.heads",
+    ),
     **dict.fromkeys(("GenerationOutput", "GenerationStats", "SpeculativeGenerator", "StreamChunk"), "specgraft.infer"),
     **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.model"),
     **dict.fromkeys(("Chain", "DynamicTree", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),

@@ -181,6 +181,51 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_search_layer_skip(args: argparse.Namespace) -> int:
+    import specgraft as sg
+    from specgraft.infer.bench import encode_prompt, read_prompt_file
+
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
+    result = sg.search_layer_skip(
+        target, prompts, max_new_tokens=args.max_new_tokens, max_skip=args.max_skip, min_agreement=args.min_agreement,
+        max_depth=args.depth, verify_cost=args.verify_cost,
+    )
+    if args.json:
+        rows = [{**vars(c), "skip": list(c.skip), "spec": c.spec} for c in result.path]
+        print(json.dumps({"best": result.best.spec, "positions": result.positions, "path": rows}, indent=2))
+        return 0
+    print(f"top-1 agreement with the target on {result.positions} tokens of its own greedy continuations:")
+    print(f"{'skipped':>8} {'agreement':>9} {'draft cost':>10} {'depth':>5} {'tau':>5} {'speed-up':>8}  drafter")
+    for c in result.path:
+        print(f"{len(c.skip):8d} {c.agreement:9.3f} {c.draft_cost:10.3f} {c.depth:5d} {c.expected_tokens:5.2f} "
+              f"{c.expected_speedup:7.2f}x  {c.spec if c.skip else '(none: the target itself, for reference)'}")
+    print(f"chosen: --drafter {result.best.spec} --tree chain:{result.best.depth} "
+          f"(expected {result.best.expected_speedup:.2f}x plain decoding; measure it with `specgraft bench`)")
+    if result.best.expected_speedup <= 1.0:
+        print("no skipped set is expected to beat plain decoding here: drafts that agree often cost nearly a full forward")
+    return 0
+
+
+def _search_layer_skip_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory or hub id (Llama-family: the fast path)")
+    p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench / MT-bench jsonl, text, ...)")
+    p.add_argument("--limit", type=int, default=4, help="calibration prompts used")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="target greedy tokens scored per prompt")
+    p.add_argument("--max-skip", type=int, default=None, help="most layers skipped (default: half)")
+    p.add_argument("--min-agreement", type=float, default=0.3, help="stop once top-1 agreement falls below this")
+    p.add_argument("--depth", type=int, default=3, help="deepest chain the speed estimate considers")
+    p.add_argument("--verify-cost", type=float, default=1.0,
+                   help="one verification of up to depth + 1 tokens, in target forwards (measure with tune-tree)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=parse_threads, default="auto", help=THREADS_HELP)
+    p.add_argument("--json", action="store_true", help="print the search path as JSON")
+    p.set_defaults(func=cmd_search_layer_skip)
+
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory or hub id")
     p.add_argument("--drafter", default="prompt-lookup", help=DRAFTER_HELP + " (default: %(default)s)")
@@ -276,6 +321,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "extract-features": ("write the hidden states the head needs as sharded safetensors",
                          _config_flags(cmd_extract_features)),
     "tune-tree": ("measure this device and drafter, and size the tree for speed", _tune_tree_flags),
+    "search-layer-skip": ("pick the layers a self-speculative layer-skip draft leaves out, on calibration prompts",
+                          _search_layer_skip_flags),
     "quickstart": ("offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark",
                    _module_flags("specgraft.quickstart", "add_quickstart_arguments", "quickstart_main")),
     "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format",

@@ -17,23 +17,28 @@ EXPORT_FORMATS = ("vllm", "sglang", "eagle", "medusa")
 IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
 PROMPT_LOOKUP = "prompt-lookup"  # the drafter name a server always offers
 NAMED_DRAFTERS = ("none", PROMPT_LOOKUP, "self")
-COMPOSITE_PREFIX = PROMPT_LOOKUP + "+"  # specgraft.heads.COMPOSITE_PREFIX
+COMPOSITE_PREFIX = PROMPT_LOOKUP + "+"  # --drafter prompt-lookup+DRAFTER: lookup first, DRAFTER where it finds nothing
+LAYER_SKIP_PREFIX = "layer-skip:"  # --drafter layer-skip:12-19,22 skips those decoder layers (checked once the target loads)
 DRAFTER_HELP = (
-    "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), a trained head directory "
+    "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), 'layer-skip:LAYERS' (the "
+    "target drafts with those decoder layers left out, e.g. layer-skip:12-19; `specgraft search-layer-skip` picks "
+    "them), a trained head directory "
     "(e.g. runs/eagle-stories260k/head from `specgraft train`), or a small causal LM's directory sharing the "
-    "target's tokenizer; 'prompt-lookup+' before 'self' or a directory drafts by lookup first and with that "
+    "target's tokenizer; 'prompt-lookup+' before 'self', 'layer-skip:LAYERS' or a directory drafts by lookup first and with that "
     "drafter where lookup finds nothing"
 )
 
 
 def check_drafter_spec(spec: str) -> None:
     """Refuse a --drafter that is neither a named drafter nor an existing directory, before any model loads."""
-    if spec in NAMED_DRAFTERS:
+    if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX):
         return
     if spec.startswith(COMPOSITE_PREFIX):
         then = spec.removeprefix(COMPOSITE_PREFIX)
         if then in NAMED_DRAFTERS and then != "self":
-            raise ValueError(f"--drafter {spec!r}: after {COMPOSITE_PREFIX!r} comes 'self' or a drafter directory")
+            raise ValueError(
+                f"--drafter {spec!r}: after {COMPOSITE_PREFIX!r} comes 'self', 'layer-skip:LAYERS' or a drafter directory"
+            )
         return check_drafter_spec(then)
     path = Path(spec).expanduser()
     if not path.exists():
@@ -55,7 +60,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "stops paying (see specgraft.infer.bench_batch); plain decoding always runs")
     parser.add_argument(
         "--drafter", action="append", default=[],
-        help="'prompt-lookup', 'self' (the target drafts for itself), a draft-model directory or a trained head "
+        help="'prompt-lookup', 'self' (the target drafts for itself), 'layer-skip:LAYERS' (the target drafts with "
+        "those decoder layers left out, e.g. layer-skip:12-19), a draft-model directory or a trained head "
         "directory (repeatable; each is crossed with each --tree). With --server: the one drafter NAME the "
         "requests ask for when speculation is on (default 'auto', the server's default)",
     )

@@ -99,7 +99,7 @@ def test_the_spec_builds_lookup_with_one_match_then_the_drafter(stories, trained
 
 @pytest.mark.parametrize("spec", ["prompt-lookup+none", "prompt-lookup+prompt-lookup"])
 def test_a_composite_of_nothing_or_of_lookup_twice_is_refused_before_loading(spec):
-    with pytest.raises(ValueError, match="after 'prompt-lookup\\+' comes 'self' or a drafter directory"):
+    with pytest.raises(ValueError, match="after 'prompt-lookup\\+' comes 'self', 'layer-skip:LAYERS' or a drafter directory"):
         check_drafter_spec(spec)
 
 

@@ -68,6 +68,8 @@ def drafter_case(kind: str, target: sg.Target):
     if kind == "composite":
         head = random_head(EagleConfig(), target)
         return sg.Composite(sg.PromptLookup(max_ngram=2, max_matches=1), head), sg.DynamicTree(top_k=3, depth=4, budget=12)
+    if kind == "layer_skip_tree":
+        return sg.LayerSkip(target, skip=[2]), sg.StaticTree(BRANCHING_TREE)
     if kind == "medusa_tree":
         return random_head(MedusaConfig(num_heads=3), target), sg.StaticTree(BRANCHING_TREE)
     raise KeyError(kind)
@@ -95,7 +97,9 @@ def prompts(stories, dev_prompts) -> list[list[int]]:
     return [stories.encode(dev_prompts[3]), stories.encode(dev_prompts[7])]
 
 
-@pytest.mark.parametrize("kind", ["prompt_lookup", "self_tree", "eagle_dynamic", "eagle3_chain", "medusa_tree", "composite"])
+@pytest.mark.parametrize(
+    "kind", ["prompt_lookup", "self_tree", "layer_skip_tree", "eagle_dynamic", "eagle3_chain", "medusa_tree", "composite"]
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
 def test_interleaved_streams_equal_each_run_alone(stories, prompts, kind, temperature):
     drafter, tree = drafter_case(kind, stories)

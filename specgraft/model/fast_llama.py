@@ -24,6 +24,7 @@ capacity, H hidden, Hq query heads, Hkv key/value heads, D head_dim, V vocab.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from typing import Sequence
@@ -221,6 +222,18 @@ class FastLlama:
         self.rotary = rotary
         self._rope_table = None
         return self
+
+    def subset(self, layers: Sequence[int]) -> FastLlama:
+        """The same model running only decoder ``layers`` (increasing indices), for self-speculative drafting.
+
+        Embeddings, final norm, lm_head and every kept layer's weights are the
+        same tensors (nothing is copied); cache layer j of the result holds
+        decoder layer ``layers[j]``.
+        """
+        sub = copy.copy(self)
+        sub.layers = [self.layers[i] for i in layers]
+        sub.num_layers = len(sub.layers)
+        return sub
 
     def new_cache(self, max_len: int) -> StaticKVCache:
         weight = self.layers[0].q
