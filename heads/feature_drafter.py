@@ -206,6 +206,10 @@ class FeatureRound:
         starts = self._lengths()
         first = next(iter(pairs.values()))
         b, t, device = self.batch, max(len(p.tokens) for p in pairs.values()), first.features.device
+        if b == 1 and first.is_root:  # one row's catch-up and root: plain causal attention over its cache, no mask
+            out = self.head.draft_step(first.features[None], first.tokens[None], first.positions[None], None, self.cache)
+            self._record(pairs, starts, out)
+            return
         width = max(starts) + t
         features = first.features.new_zeros(b, t, first.features.shape[-1])
         tokens = torch.zeros(b, t, dtype=torch.long, device=device)  # padding: token 0, masked, never read
@@ -224,6 +228,10 @@ class FeatureRound:
         mask = torch.full(visible.shape, torch.finfo(features.dtype).min, dtype=features.dtype, device=device)
         mask = mask.masked_fill(visible, 0.0)[:, None]  # (B, 1, T, W) additive
         out = self.head.draft_step(features, tokens, positions, mask, self.cache)  # (B, T, H)
+        self._record(pairs, starts, out)
+
+    def _record(self, pairs: dict[int, _Pairs], starts: list[int], out: torch.Tensor) -> None:
+        """Each request's new nodes: their outputs (B, T, H) rows, cache slots and children's log-probs."""
         # The root's forward reads only its last pair (the root's); a level's reads every pair.
         read = {i: range(len(p.tokens) - 1, len(p.tokens)) if p.is_root else range(len(p.tokens)) for i, p in pairs.items()}
         picked = torch.cat([out[self.requests[i].row, list(cols)] for i, cols in read.items()])  # (sum, H)
