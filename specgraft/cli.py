@@ -72,6 +72,11 @@ def cmd_check_exactness(args: argparse.Namespace) -> int:
     from specgraft.infer.exactness import check_exactness
 
     prompts = args.prompt or list(DEFAULT_CHECK_PROMPTS)
+    if args.length < 3 and args.drafter != "none":
+        raise ValueError(
+            f"--length {args.length}: the prefill gives the first token and the last step has nothing left to "
+            "draft for, so a continuation needs at least 3 tokens for the drafter to propose anything"
+        )
     if args.top_k < 1 or args.top_k ** args.length > 4096:
         raise ValueError(f"--top-k {args.top_k} and --length {args.length}: need 1 <= top_k ** length <= 4096 outcomes")
     target, drafter, tree = _load(args)

@@ -56,6 +56,12 @@ def test_a_missing_drafter_is_named_before_the_target_loads(capsys):
     assert "--drafter 'runs/missing/head' does not exist" in err and "trained head directory" in err
 
 
+def test_check_exactness_refuses_a_length_too_short_for_any_draft_before_loading(capsys):
+    code = main(["check-exactness", "--target", "/nonexistent/target", "--drafter", "prompt-lookup", "--length", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--length 2" in err and "at least 3 tokens" in err
+
+
 def test_threads_flag_takes_auto_or_a_count(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--target", "t", "--prompt", "x", "--threads", "0"])
