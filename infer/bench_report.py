@@ -49,7 +49,7 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         "Methods ran interleaved, prompt by prompt.",
         "",
     ]
-    categories = results["settings"].get("categories") or []
+    categories = settings.get("categories") or []
     if len(categories) > 1:
         lines += [
             "Per category: tau / tokens/s.",

@@ -231,11 +231,7 @@ class Target:
         """Rows of KV slots for a batch of sequences (fast path only; None: this target runs rows one by one)."""
         if self.fast is None:
             return None
-        fast = self.fast
-        return BatchedKVCache(
-            fast.num_layers, fast.kv_heads, fast.head_dim, rows=rows, max_len=max_len or self.max_context + TREE_SLOTS,
-            dtype=fast.embed.dtype, device=fast.embed.device,
-        )
+        return self.fast.new_batched_cache(rows, max_len or self.max_context + TREE_SLOTS)
 
     @torch.inference_mode()
     def forward_rows(
