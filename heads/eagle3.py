@@ -219,9 +219,10 @@ class Eagle3Head(nn.Module):
         attn = self.midlayer.self_attn
         h = self.fuse({i: batch.hidden[i][:, :cols] for i in self.hidden_layers})  # (B, C, H)
         keys, values = [], []
-        target_logp_full = batch.target_logits.float().log_softmax(-1)  # (B, T, V)
+        # The target's distribution restricted to the draft vocabulary and renormalised, once for all steps
+        # (softmax of the kept logits: the same as renormalising the kept probabilities).
+        target_p_all = batch.target_logits.index_select(-1, self.draft_ids).float().softmax(-1)  # (B, T, D)
         in_vocab = self.t2d[batch.target_logits.argmax(-1)]  # (B, T): target's choice is draftable
-        draft_ids = self.draft_ids
         total = h.new_zeros(())
         metrics: dict[str, float] = {}
         for j in range(self.config.ttt_length):
@@ -238,8 +239,7 @@ class Eagle3Head(nn.Module):
             mask = additive_mask(ttt_visibility(cols, j, ids.device), q.dtype)
             out = self.finish(h, attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), mask))
             # Output at column i predicts t_{i+2+j}: the target's distribution at position i+1+j.
-            target_logp = torch.cat([target_logp_full[:, 1 + j :], target_logp_full.new_zeros(b, j, target_logp_full.shape[-1])], 1)[:, :cols]
-            target_p = target_logp.index_select(-1, draft_ids).softmax(-1)  # restricted to the draft vocabulary
+            target_p = torch.cat([target_p_all[:, 1 + j :], target_p_all.new_zeros(b, j, target_p_all.shape[-1])], 1)[:, :cols]
             valid = torch.arange(cols, device=ids.device) + 2 + j < t  # (C,)
             label_mask = torch.cat([batch.loss_mask[:, 2 + j :], batch.loss_mask.new_zeros(b, 2 + j)], 1)[:, :cols]
             draftable = torch.cat([in_vocab[:, 1 + j :], in_vocab.new_zeros(b, j)], 1)[:, :cols]

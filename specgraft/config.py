@@ -116,6 +116,9 @@ class TrainingSection(_Section):
     # many epochs; the estimate is printed before extraction starts.
     features: Literal["online", "offline"] = "online"
     features_dir: str | None = None  # the offline feature cache; None: output_dir/features
+    # More HF hidden_states indices the offline cache stores besides the head's own (and the final one), so
+    # heads that read different layers of one dataset share one cache whichever is extracted first.
+    feature_layers: list[int] = Field(default_factory=list)
     # Storage dtype of the offline cache; None: target.dtype. bfloat16 halves an fp32 target's cache, at bf16 precision.
     feature_dtype: Literal["float32", "float16", "bfloat16"] | None = None
 

@@ -232,6 +232,27 @@ def test_a_cache_without_the_layers_or_in_another_dtype_is_refused(stories, exam
     assert summary.written == () and len(summary.skipped) == 1
 
 
+def test_feature_layers_are_stored_for_heads_that_share_the_cache(stories, examples, tmp_path):
+    """Whichever head extracts first, the layers named in training.feature_layers are stored for the others."""
+    cache = tmp_path / "features"
+    shared = config(tmp_path, stories, feature_layers=[1, 3])
+    extract_features(shared, stories, examples, (), cache, progress=False)  # a head reading only the final layer
+    assert json.loads((cache / "manifest.json").read_text())["layers"] == [1, 3, 5]
+    summary = extract_features(shared, stories, examples, (1, 3), cache, progress=False)  # the other head reuses it
+    assert summary.written == () and len(summary.skipped) == 1
+    batch = collate(examples[:2], pad_token_id=0)
+    online = target_batch(stories, batch, (1, 3))
+    offline = FeatureCache(cache, stories, (1, 3)).batch([0, 1], batch)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(offline.hidden[3][real], online.hidden[3][real], rtol=0, atol=1e-5)
+
+
+def test_feature_layers_out_of_range_are_an_error_naming_the_key(stories, examples, tmp_path):
+    with pytest.raises(ValueError, match=r"training.feature_layers \[9\] are out of range .* 0\.\.5"):
+        extract_features(config(tmp_path, stories, feature_layers=[9]), stories, examples, (), tmp_path / "f", progress=False)
+    assert not (tmp_path / "f").exists()
+
+
 # ---------------------------------------------------------------------------- training on it
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import specgraft as sg
+from specgraft.heads.checkpoint import SIDECAR
 from tests.conftest import SMOLLM2, SMOLLM2_GGUF, SMOLLM2_SHARED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ CONVERSATIONS = [
 
 
 def test_recipes_were_found():
-    assert [p.stem for p in RECIPES] == ["eagle", "eagle3", "medusa"]
+    assert [p.stem for p in RECIPES] == ["draft", "eagle", "eagle3", "medusa"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -95,7 +96,7 @@ def test_recipe_trains_two_steps_through_the_cli(recipe, smollm2, tmp_path):
     overrides = [
         f"target.path={SMOLLM2}", "data.regenerate=null", f"data.train={data}", "data.max_length=64",
         "data.eval_fraction=0", "eval.prompts=null", "training.max_steps=2", "training.micro_batch_size=2",
-        "training.log_every=1", f"training.output_dir={run}",
+        "training.log_every=1", f"training.output_dir={run}", f"training.features_dir={tmp_path / 'features'}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(
@@ -106,9 +107,15 @@ def test_recipe_trains_two_steps_through_the_cli(recipe, smollm2, tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     curve = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(curve) == [1, 2] and all(math.isfinite(v) and v > 0 for v in curve.values())
+    assert (run / "head" / "model.safetensors").is_file()
+    if recipe.stem == "draft":  # a transformers model directory, the head config beside it
+        head = json.loads((run / "head" / SIDECAR).read_text())
+        assert head["head"]["type"] == "draft-model"
+        draft = json.loads((run / "head" / "config.json").read_text())
+        assert (draft["model_type"], draft["num_hidden_layers"], draft["vocab_size"]) == ("llama", 2, 49152)
+        return
     head = json.loads((run / "head" / "config.json").read_text())
     assert head["head"]["type"] == recipe.stem
-    assert (run / "head" / "model.safetensors").is_file()
     if recipe.stem != "eagle3":
         return
     from safetensors.torch import load_file

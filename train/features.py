@@ -56,12 +56,12 @@ from specgraft.config import TrainConfig
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.checkpoint import atomic_write, target_signature
 from specgraft.model import Target
+from specgraft.model.target import DTYPES
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SHARD_NAME = "shard-{:05d}.safetensors"
 SHARD_BYTES = 1 << 30  # default shard size: a shard is assembled in CPU memory before it is written
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TARGET_KEYS = ("hidden_size", "vocab_size", "num_hidden_layers", "embedding_fingerprint", "dtype")
 
 
@@ -283,7 +283,8 @@ def extract_features(
     Prints the size estimate first, then computes the shards not yet on disk.
 
     Args:
-        cfg: the training config; reads ``training.feature_dtype`` (None: the target's dtype)
+        cfg: the training config; reads ``training.feature_dtype`` (None: the target's dtype),
+            ``training.feature_layers`` (stored too, for other heads sharing the cache)
             and ``training.micro_batch_size`` (the default ``batch_size``).
         target: the frozen target.
         examples: tokenized examples (``input_ids`` and ``loss_mask`` lists), indexed as the trainer indexes them.
@@ -302,7 +303,15 @@ def extract_features(
         raise ValueError("no examples: nothing to extract features for")
     out_dir = Path(out_dir)
     dtype = cfg.training.feature_dtype or str(target.dtype).removeprefix("torch.")
-    manifest = _manifest_for(out_dir, target, examples, stored_layers(target, hidden_layers), dtype, shard_size)
+    extra = cfg.training.feature_layers
+    bad = [i for i in extra if not 0 <= i <= target.num_layers]
+    if bad:
+        raise ValueError(
+            f"training.feature_layers {bad} are out of range for {target.name!r}: "
+            f"HF hidden_states indices run 0..{target.num_layers}"
+        )
+    layers = stored_layers(target, [*hidden_layers, *extra])
+    manifest = _manifest_for(out_dir, target, examples, layers, dtype, shard_size)
     for leftover in out_dir.glob(".shard-*.tmp"):  # a killed extraction's half-written shard (one writer: rank 0)
         leftover.unlink()
     names = [SHARD_NAME.format(i) for i in range(len(manifest.shards))]
