@@ -62,8 +62,14 @@ class MedusaHeads(nn.Module):
             lm_head.weight.data.copy_(weight.float())
         return heads.to(target.device)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack([lm(block(hidden)) for block, lm in zip(self.blocks, self.lm_heads)])
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """(..., H) -> (K', ..., V) logits of the first ``num_heads`` heads (None: all K).
+
+        Each head reads its own V x H projection, the size of the target's lm_head: a step that drafts
+        to depth d runs only the first d heads.
+        """
+        pairs = list(zip(self.blocks, self.lm_heads))[:num_heads]
+        return torch.stack([lm(block(hidden)) for block, lm in pairs])
 
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Cross-entropy of head k against the token 2 + k ahead, weighted loss_decay ** k."""
@@ -105,15 +111,15 @@ class MedusaDrafter:
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
         hidden = torch.stack([request.state.last_hidden for request in requests]).float()  # (B, H)
-        logp = self.heads(hidden).log_softmax(-1)  # (K, B, V): head k drafts depth k + 1
+        depths = [min(r.max_depth, r.policy.max_depth, self.heads.config.num_heads) for r in requests]
+        logp = self.heads(hidden, num_heads=max(depths)).log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
         trees = []
-        for b, request in enumerate(requests):
-            row_logp = logp[:, b]  # (K, V)
+        for b, (request, max_depth) in enumerate(zip(requests, depths)):
+            row_logp = logp[:, b]  # (K', V)
 
             def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
                 return row_logp[tree.depth[frontier]]
 
-            max_depth = min(request.max_depth, self.heads.config.num_heads)
             trees.append(request.policy.grow(
                 step, request.root_token, max_depth=max_depth, device=hidden.device, sampler=request.sampler
             ))

@@ -127,6 +127,23 @@ def test_random_heads_keep_greedy_output_identical(tiny_target, config):
         assert out.token_ids == ref
 
 
+def test_medusa_runs_only_the_heads_a_tree_reaches(tiny_target):
+    """Each head reads a projection the size of the target's lm_head: a depth-1 chain must not pay for the others."""
+    heads = build_head(MedusaConfig(num_heads=3), tiny_target).eval()
+    calls = [0, 0, 0]
+    for k, lm in enumerate(heads.lm_heads):
+        lm.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+    prompt = [1, 4, 8, 15, 16]
+    ref = tiny_target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None)[0, 5:].tolist()
+    for tree, used in ((sg.Chain(1), [1, 0, 0]), (sg.StaticTree([[0], [1], [0, 0]]), [1, 1, 0])):
+        calls[:] = [0, 0, 0]
+        out = sg.SpeculativeGenerator(tiny_target, as_drafter(heads, tiny_target), tree=tree).generate(
+            prompt, max_new_tokens=12, eos_token_id=()
+        )
+        assert out.token_ids == ref
+        assert [c > 0 for c in calls] == [bool(u) for u in used], (tree, calls)
+
+
 def test_eagle_cache_holds_only_committed_pairs_after_each_step(tiny_target):
     from specgraft.infer.generator import Decoding
 

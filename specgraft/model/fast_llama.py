@@ -174,34 +174,46 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 
 
 class FastLlama:
-    """The forward of a Llama-family HF model without HF's per-call machinery.
+    """The forward of a Llama-family HF model (or of a draft head's decoder layers) without HF's per-call machinery.
+
+    Built by `from_model` (a whole causal LM) or `for_layers` (a head's layers, no embedding or lm_head).
 
     Args:
-        model: a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
-            Qwen3ForCausalLM with sdpa or eager attention.
-
-    Raises:
-        ValueError: the model is not one `unsupported_reason` accepts.
+        config: the HF config the layers were built from (sizes, head_dim, rms_norm_eps).
+        layers: Llama-family decoder layers; their q/k/v, o, MLP and norm weights are read, not copied.
+        rotary: the model's rotary embedding module.
+        model: the whole HF model, or None for a head's layers.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"no fast path: {reason}")
-        config = model.config
+    def __init__(self, *, config, layers: Sequence[nn.Module], rotary: nn.Module, model: nn.Module | None = None) -> None:
         self.model = model
-        self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        self.num_layers = len(layers)
+        self.num_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
-        self.embed = model.model.embed_tokens.weight  # (V, H)
-        self.final_norm = model.model.norm.weight
-        self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # tied: the same tensor as embed
-        self.layers = [_layer(layer) for layer in model.model.layers[: self.num_layers]]
-        self.rotary = model.model.rotary_emb
+        self.embed = self.final_norm = self.lm_head = self.lm_head_bias = None
+        if model is not None:
+            self.embed = model.model.embed_tokens.weight  # (V, H)
+            self.final_norm = model.model.norm.weight
+            self.lm_head, self.lm_head_bias = model.lm_head.weight, model.lm_head.bias  # tied: the same tensor as embed
+        self.layers = [_layer(layer) for layer in layers]
+        self.rotary = rotary
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos, signed sin
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> FastLlama:
+        """The whole forward of ``model``: a LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+        Qwen3ForCausalLM with sdpa or eager attention.
+
+        Raises:
+            ValueError: the model is not one `unsupported_reason` accepts.
+        """
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"no fast path: {reason}")
+        layers = model.model.layers[: model.config.num_hidden_layers]
+        return cls(config=model.config, layers=layers, rotary=model.model.rotary_emb, model=model)
 
     @classmethod
     def for_layers(cls, layers: Sequence[nn.Module], config, rotary: nn.Module) -> FastLlama:
@@ -210,18 +222,7 @@ class FastLlama:
         A layer that is not a plain Llama block (EAGLE-3's midlayer) composes `begin_step`,
         `attention` and `mlp` itself; its q/k/v, o, MLP and norm weights are read here all the same.
         """
-        self = cls.__new__(cls)
-        self.model = None
-        self.num_layers = len(layers)
-        self.num_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.scale = self.head_dim**-0.5
-        self.eps = config.rms_norm_eps
-        self.embed = self.final_norm = self.lm_head = self.lm_head_bias = None
-        self.layers = [_layer(layer) for layer in layers]
-        self.rotary = rotary
-        self._rope_table = None
-        return self
+        return cls(config=config, layers=layers, rotary=rotary)
 
     def subset(self, layers: Sequence[int]) -> FastLlama:
         """The same model running only decoder ``layers`` (increasing indices), for self-speculative drafting.

@@ -259,7 +259,7 @@ def _fast_path(model: PreTrainedModel, fast: bool | str) -> FastLlama | None:
         return None
     reason = unsupported_reason(model)
     if reason is None:
-        return FastLlama(model)
+        return FastLlama.from_model(model)
     if fast is True:
         raise ValueError(f"fast=True, but {reason}; use fast='auto' or False to run Hugging Face's forward")
     return None
