@@ -26,7 +26,7 @@ TREE_HELP = (
 )
 THREADS_HELP = (
     "torch CPU threads: 'auto' (default) picks from the model's size and this machine (one thread for models "
-    "under 200M parameters), or a count"
+    "under 10M parameters, else one per idle core), or a count"
 )
 def _load(args: argparse.Namespace):
     """Target, drafter and tree from the common flags; the tree and drafter are checked before any model loads."""

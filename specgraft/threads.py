@@ -2,24 +2,32 @@
 
 torch's default (one thread per core) is the wrong choice for small models on a
 CPU: each op is too short to split, and on a shared machine the threads wait on
-each other. Measured on a 2-core CPU shared with other jobs (load average 8-9),
-plain greedy decoding, median of 3 interleaved runs: stories260K 454 tokens/s on
-one thread against 7.0 on two; SmolLM2-135M (float32, 32 tokens) 7.6 against 1.1.
-Larger models were not measured and keep torch's default, one thread per core
-this process may use. No torch import at module level: the CLI's flags read this
-module.
+each other. Measured on a 2-core CPU, plain greedy decoding:
+
+- shared with other jobs (load average 8-9), median of 3 interleaved runs:
+  stories260K 454 tokens/s on one thread against 7.0 on two; SmolLM2-135M
+  (float32, 32 tokens) 7.6 against 1.1;
+- otherwise idle, 3 interleaved runs each: stories260K 2,540-2,600 tokens/s on
+  one thread against 2,420-2,470 on two; SmolLM2-135M 33-34 against 49-52.
+
+So a tiny model runs on one thread, and a larger one on the cores that are idle
+when it loads (sampled from /proc/stat over a fraction of a second; where that
+cannot be read, one per core this process may use). No torch import at module
+level: the CLI's flags read this module.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from dataclasses import dataclass
 
-# One thread is fastest below this many parameters. Measured: 260K (65x faster than
-# two threads) and SmolLM2's 135M (7x); no larger model was measured, so the line
-# sits just above the largest one that was.
-ONE_THREAD_BELOW = 200_000_000
+# One thread is fastest below this many parameters whatever the load: 260K measured
+# so, idle or shared; 135M gains from a second idle core. Nothing between 2.2M (the
+# quickstart's demo target, one thread) and 135M was measured; the line sits between.
+ONE_THREAD_BELOW = 10_000_000
+IDLE_SAMPLE_S = 0.2  # how long /proc/stat is watched for idle cores
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,28 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows have no affinity call
         return os.cpu_count() or 1
+
+
+def idle_cores(window_s: float = IDLE_SAMPLE_S) -> float | None:
+    """Cores idle over the next ``window_s`` seconds, machine-wide (Linux /proc/stat), or None where unreadable.
+
+    The calling thread sleeps meanwhile, so its own process counts only for threads it runs elsewhere.
+    """
+
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return fields[3] + fields[4], sum(fields)
+
+    try:
+        idle0, total0 = snapshot()
+        time.sleep(window_s)
+        idle1, total1 = snapshot()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (idle1 - idle0) / (total1 - total0) * (os.cpu_count() or 1)
 
 
 def choose_threads(num_params: int, device_type: str = "cpu", requested: int | str | None = "auto") -> ThreadChoice:
@@ -63,7 +93,11 @@ def choose_threads(num_params: int, device_type: str = "cpu", requested: int | s
     if num_params < ONE_THREAD_BELOW:
         return ThreadChoice(1, f"auto: {size}, under {ONE_THREAD_BELOW / 1e6:.0f}M run fastest on one thread")
     cores = available_cores()
-    return ThreadChoice(cores, f"auto: {size}, one thread per available core ({cores})")
+    idle = idle_cores()
+    if idle is None:
+        return ThreadChoice(cores, f"auto: {size}, one thread per available core ({cores})")
+    threads = max(1, min(cores, round(idle)))
+    return ThreadChoice(threads, f"auto: {size}, one thread per idle core ({idle:.1f} of {cores} idle)")
 
 
 def parse_threads(value: str) -> int | str:

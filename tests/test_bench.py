@@ -425,7 +425,7 @@ def test_json_flag_prints_results_json(stories, prompts_file, tmp_path, capsys):
     assert printed == json.loads((tmp_path / "out" / "results.json").read_text())
     # --threads defaults to auto: one thread for a 260K-parameter target, reported with its reason.
     assert printed["settings"]["threads"] == 1
-    assert printed["settings"]["threads_choice"].startswith("auto: 0.3M parameters, under 200M run fastest on one thread")
+    assert printed["settings"]["threads_choice"].startswith("auto: 0.3M parameters, under 10M run fastest on one thread")
     assert "1 thread(s) (auto: 0.3M parameters" in (tmp_path / "out" / "results.md").read_text()
 
 
