@@ -414,7 +414,8 @@ def prompts_file(tmp_path):
     return _write_jsonl(tmp_path / "p.jsonl", [{"question_id": p.id, "category": p.category, "turns": [p.text]} for p in PROMPTS])
 
 
-def test_json_flag_prints_results_json(stories, prompts_file, tmp_path, capsys):
+def test_json_flag_prints_results_json(stories, prompts_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the automatic choice is what this checks
     args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--drafter", "self", "--sweep", "depth=2,3",
                  "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--baselines", "plain",
                  "--out", str(tmp_path / "out"), "--json")
