@@ -26,7 +26,7 @@ from specgraft.heads.layer_skip import LayerSkip, parse_layer_set
 from specgraft.heads.layer_skip_search import LayerSkipSearch, search_layer_skip
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.flags import COMPOSITE_PREFIX, LAYER_SKIP_PREFIX
+from specgraft.flags import LAYER_SKIP_PREFIX, split_composite
 from specgraft.model import Target
 
 
@@ -88,7 +88,7 @@ def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
     """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself),
     ``layer-skip:LAYERS`` (the target drafts with those layers left out, e.g. ``layer-skip:12-19``), a directory,
     or ``prompt-lookup+`` followed by one of the last three (`Composite`; the lookup takes one match, so the tree
-    keeps the size its policy gives it)."""
+    keeps the size its policy gives it; ``prompt-lookup:K+`` lets it copy up to K tokens whatever the tree)."""
     if spec == "none":
         return None
     if spec == "prompt-lookup":
@@ -97,11 +97,12 @@ def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
         return DraftModel(target, target)
     if spec.startswith(LAYER_SKIP_PREFIX):
         return LayerSkip(target, skip=parse_layer_set(spec[len(LAYER_SKIP_PREFIX):]))
-    if spec.startswith(COMPOSITE_PREFIX):
-        then = drafter_from_spec(spec.removeprefix(COMPOSITE_PREFIX), target)
+    composite = split_composite(spec)
+    if composite is not None:
+        first_depth, then = composite[0], drafter_from_spec(composite[1], target)
         if then is None or isinstance(then, (PromptLookup, Composite)):
             raise ValueError(f"drafter {spec!r}: after 'prompt-lookup+' comes 'self', 'layer-skip:LAYERS' or a drafter directory")
-        return Composite(PromptLookup(max_matches=1), then)
+        return Composite(PromptLookup(max_matches=1), then, first_depth=first_depth)
     if not Path(spec).expanduser().is_dir():
         raise FileNotFoundError(
             f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', 'layer-skip:LAYERS', a drafter directory "

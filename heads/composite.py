@@ -26,29 +26,38 @@ class Composite:
 
     ``first`` drafts at most as deep as the tree policy (a chain:3 also caps
     prompt lookup at 3 tokens), so a tree sized by the target's cost curve
-    stays that size whichever drafter fills it.
+    stays that size whichever drafter fills it; ``first_depth`` sets its own
+    cap instead. Why: a head pays a forward per draft token and a lookup
+    copies for free, so on a target whose verification costs the same for 2
+    and 4 tokens the best head tree is often one token deep while the best
+    lookup chain is three.
 
-        sg.Composite(sg.PromptLookup(max_matches=1), sg.load_drafter("runs/eagle3/head", target))
+        sg.Composite(sg.PromptLookup(max_matches=1), sg.load_drafter("runs/eagle3/head", target), first_depth=3)
     """
 
-    def __init__(self, first: Drafter, then: Drafter) -> None:
-        self.first, self.then = first, then
+    def __init__(self, first: Drafter, then: Drafter, *, first_depth: int | None = None) -> None:
+        if first_depth is not None and first_depth < 1:
+            raise ValueError(f"first_depth must be >= 1 or None (the tree policy's depth), got {first_depth}")
+        self.first, self.then, self.first_depth = first, then, first_depth
         self.hidden_layers = tuple(dict.fromkeys(first.hidden_layers + then.hidden_layers))
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> CompositeState:
-        return CompositeState(self.first.start(prompt_ids, hidden), self.then.start(prompt_ids, hidden))
+        return CompositeState(
+            self.first.start(prompt_ids, hidden), self.then.start(prompt_ids, hidden), first_depth=self.first_depth
+        )
 
 
 class CompositeState:
     """Both drafters' states for one generation; counts the steps each drafted."""
 
-    def __init__(self, first: DraftState, then: DraftState) -> None:
-        self.first, self.then = first, then
+    def __init__(self, first: DraftState, then: DraftState, *, first_depth: int | None = None) -> None:
+        self.first, self.then, self.first_depth = first, then, first_depth
         self.drafted_by_first = 0
         self.drafted_by_then = 0
 
     def propose(self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None) -> Tree:
-        tree = self.first.propose(root_token, policy, min(max_depth, policy.max_depth), sampler)
+        cap = policy.max_depth if self.first_depth is None else self.first_depth
+        tree = self.first.propose(root_token, policy, min(max_depth, cap), sampler)
         if len(tree.tokens) > 1:
             self.drafted_by_first += 1
             return tree

@@ -51,12 +51,20 @@ from specgraft.infer.bench_report import results_markdown as results_markdown
 from specgraft.infer.bench_report import write_results
 from specgraft.infer.bench_runners import STATS_KEYS as STATS_KEYS
 from specgraft.infer.bench_runners import ChunkClock  # noqa: F401
-from specgraft.infer.bench_runners import BASELINE_KINDS, HF_PLD_NUM_TOKENS, Runner, baseline_runner, engine_runner, parse_baseline
+from specgraft.infer.bench_runners import (
+    BASELINE_KINDS,
+    HF_PLD_NUM_TOKENS,
+    Runner,
+    baseline_runner,
+    drafter_label,
+    engine_runner,
+    parse_baseline,
+)
 from specgraft.infer.prompts import BenchPrompt, read_prompt_file
 from specgraft.infer.prompts import encode_prompt as encode_prompt
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
-from specgraft.flags import COMPOSITE_PREFIX, LAYER_SKIP_PREFIX, NAMED_DRAFTERS, check_drafter_spec
+from specgraft.flags import LAYER_SKIP_PREFIX, NAMED_DRAFTERS, check_drafter_spec, split_composite
 from specgraft.flags import add_bench_arguments as add_bench_arguments
 from specgraft.threads import apply_threads
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
@@ -470,15 +478,10 @@ def build_drafter(spec: str, target: Target) -> Drafter:
 
 def spec_label(spec: str) -> str:
     """A --drafter value's name in tables: named drafters as given, directories by `drafter_label`."""
-    if spec.startswith(COMPOSITE_PREFIX):
-        return COMPOSITE_PREFIX + spec_label(spec.removeprefix(COMPOSITE_PREFIX))
+    composite = split_composite(spec)
+    if composite is not None:
+        return spec[: len(spec) - len(composite[1])] + spec_label(composite[1])
     return spec if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX) else drafter_label(Path(spec))
-
-
-def drafter_label(path: Path) -> str:
-    """A drafter directory's name; a training run's ``RUN/head`` is called after the run."""
-    path = path.expanduser().resolve()
-    return path.parent.name if path.name == "head" else path.name
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:

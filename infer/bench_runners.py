@@ -159,6 +159,12 @@ def parse_baseline(spec: str) -> tuple[str, str | None]:
     raise ValueError(f"unknown baseline {spec!r}: choose from {', '.join(BASELINE_KINDS)}")
 
 
+def drafter_label(path: Path) -> str:
+    """A drafter directory's name; a training run's ``RUN/head`` is called after the run."""
+    path = path.expanduser().resolve()
+    return path.parent.name if path.name == "head" else path.name
+
+
 def baseline_runner(spec: str, target: Target, temperature: float = 0.0) -> Runner:
     """The runner of one baseline spec (see `parse_baseline`); the assistant model loads here."""
     kind, path = parse_baseline(spec)
@@ -174,4 +180,4 @@ def baseline_runner(spec: str, target: Target, temperature: float = 0.0) -> Runn
             f"baseline {spec!r}: the assistant's vocabulary ({assistant.vocab_size}) differs from the target's "
             f"({target.vocab_size}); HF assisted generation is benchmarked with a shared tokenizer only"
         )
-    return hf_runner(f"hf-assisted:{Path(path).name}", target, temperature, assistant_model=assistant.model)
+    return hf_runner(f"hf-assisted:{drafter_label(Path(path))}", target, temperature, assistant_model=assistant.model)

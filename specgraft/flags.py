@@ -8,6 +8,7 @@ flags live here and those modules read the choices from here.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from specgraft.threads import parse_threads
@@ -18,6 +19,8 @@ IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
 PROMPT_LOOKUP = "prompt-lookup"  # the drafter name a server always offers
 NAMED_DRAFTERS = ("none", PROMPT_LOOKUP, "self")
 COMPOSITE_PREFIX = PROMPT_LOOKUP + "+"  # --drafter prompt-lookup+DRAFTER: lookup first, DRAFTER where it finds nothing
+# --drafter prompt-lookup:K+DRAFTER: the lookup copies up to K tokens whatever the tree's depth
+COMPOSITE = re.compile(re.escape(PROMPT_LOOKUP) + r"(?::(?P<depth>[^+]*))?\+(?P<then>.*)", re.DOTALL)
 LAYER_SKIP_PREFIX = "layer-skip:"  # --drafter layer-skip:12-19,22 skips those decoder layers (checked once the target loads)
 DRAFTER_HELP = (
     "'none' (plain decoding), 'prompt-lookup', 'self' (the target drafts for itself), 'layer-skip:LAYERS' (the "
@@ -25,17 +28,29 @@ DRAFTER_HELP = (
     "them), a trained head directory "
     "(e.g. runs/eagle-stories260k/head from `specgraft train`), or a small causal LM's directory sharing the "
     "target's tokenizer; 'prompt-lookup+' before 'self', 'layer-skip:LAYERS' or a directory drafts by lookup first and with that "
-    "drafter where lookup finds nothing"
+    "drafter where lookup finds nothing ('prompt-lookup:K+...': the lookup copies up to K tokens, else as deep as the tree)"
 )
+
+
+def split_composite(spec: str) -> tuple[int | None, str] | None:
+    """``prompt-lookup[:K]+DRAFTER`` -> (K or None, DRAFTER); None for any other spec."""
+    match = COMPOSITE.fullmatch(spec)
+    if match is None:
+        return None
+    depth = match["depth"]
+    if depth is not None and not (depth.isdigit() and int(depth) >= 1):
+        raise ValueError(f"--drafter {spec!r}: after 'prompt-lookup:' comes a number of tokens >= 1, got {depth!r}")
+    return (None if depth is None else int(depth)), match["then"]
 
 
 def check_drafter_spec(spec: str) -> None:
     """Refuse a --drafter that is neither a named drafter nor an existing directory, before any model loads."""
     if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX):
         return
-    if spec.startswith(COMPOSITE_PREFIX):
-        then = spec.removeprefix(COMPOSITE_PREFIX)
-        if then in NAMED_DRAFTERS and then != "self":
+    composite = split_composite(spec)
+    if composite is not None:
+        then = composite[1]
+        if then in NAMED_DRAFTERS and then != "self" or split_composite(then) is not None:
             raise ValueError(
                 f"--drafter {spec!r}: after {COMPOSITE_PREFIX!r} comes 'self', 'layer-skip:LAYERS' or a drafter directory"
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ import specgraft as sg
 from specgraft.flags import check_drafter_spec
 from specgraft.heads import Composite, drafter_from_spec
 from specgraft.heads.composite import CompositeState
+from specgraft.infer.bench import drafter_label, spec_label
 
 TREE = sg.DynamicTree(top_k=4, depth=4, budget=12)
 
@@ -57,27 +60,58 @@ def test_lookup_then_a_trained_head_is_greedy_identical_and_both_draft(stories, 
     assert lookup.drafted > 0 and head.drafted > 0, (lookup.drafted, head.drafted)
 
 
+class Depths(Counting):
+    """A drafter wrapper recording the depth of every tree its states propose."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.depths: list[int] = []
+
+    def start(self, prompt_ids, hidden):
+        state = super().start(prompt_ids, hidden)
+        propose = state.propose
+
+        def recorded(*args, **kwargs):
+            tree = propose(*args, **kwargs)
+            self.depths.append(int(tree.depth.max()))
+            return tree
+
+        state.propose = recorded
+        return state
+
+
 def test_lookup_drafts_no_deeper_than_the_tree_policy(stories, story_prompts):
-    lookup = Counting(sg.PromptLookup(num_tokens=8, max_matches=1))
-    depths = []
-
-    class Depths(Counting):
-        def start(self, prompt_ids, hidden):
-            state = super().start(prompt_ids, hidden)
-            propose = state.propose
-
-            def recorded(*args, **kwargs):
-                tree = propose(*args, **kwargs)
-                depths.append(int(tree.depth.max()))
-                return tree
-
-            state.propose = recorded
-            return state
-
-    gen = sg.SpeculativeGenerator(stories, Composite(Depths(sg.PromptLookup(num_tokens=8, max_matches=1)), lookup),
-                                  tree=sg.Chain(3))
+    first = Depths(sg.PromptLookup(num_tokens=8, max_matches=1))
+    gen = sg.SpeculativeGenerator(stories, Composite(first, sg.PromptLookup(max_matches=1)), tree=sg.Chain(3))
     gen.generate(story_prompts[0], max_new_tokens=32)
-    assert depths and max(depths) == 3  # lookup had 8 tokens to copy; the chain caps it at 3
+    assert first.depths and max(first.depths) == 3  # lookup had 8 tokens to copy; the chain caps it at 3
+
+
+def test_first_depth_lets_lookup_copy_deeper_than_a_one_token_head_tree(stories, story_prompts, trained_eagle):
+    first = Depths(sg.PromptLookup(num_tokens=8, max_matches=1))
+    head = Depths(sg.load_drafter(trained_eagle, stories))
+    gen = sg.SpeculativeGenerator(stories, Composite(first, head, first_depth=3), tree=sg.Chain(1))
+    for ids in story_prompts:
+        assert gen.generate(ids, max_new_tokens=40).token_ids == hf_generate(stories, ids, 40)
+    assert max(first.depths) == 3 and max(head.depths) == 1  # lookup to its own cap, the head to the chain's
+
+
+def test_the_depth_in_the_spec_reaches_the_composite(stories, trained_eagle):
+    drafter = drafter_from_spec(f"prompt-lookup:3+{trained_eagle}", stories)
+    assert isinstance(drafter, Composite) and drafter.first_depth == 3 and drafter.first.max_matches == 1
+    assert drafter_from_spec(f"prompt-lookup+{trained_eagle}", stories).first_depth is None
+    assert spec_label(f"prompt-lookup:3+{trained_eagle}") == f"prompt-lookup:3+{drafter_label(Path(trained_eagle))}"
+
+
+@pytest.mark.parametrize("depth", ["0", "x", "", "-1"])
+def test_a_lookup_depth_that_is_not_a_positive_number_is_refused_before_loading(depth):
+    with pytest.raises(ValueError, match=f"after 'prompt-lookup:' comes a number of tokens >= 1, got '{depth}'"):
+        check_drafter_spec(f"prompt-lookup:{depth}+self")
+
+
+def test_a_composite_first_depth_below_one_is_refused():
+    with pytest.raises(ValueError, match="first_depth must be >= 1"):
+        Composite(sg.PromptLookup(), sg.PromptLookup(), first_depth=0)
 
 
 def test_a_batch_with_the_composite_equals_each_prompt_alone(stories, story_prompts, trained_eagle):
@@ -97,7 +131,7 @@ def test_the_spec_builds_lookup_with_one_match_then_the_drafter(stories, trained
     assert isinstance(drafter_from_spec("prompt-lookup+self", stories).then, sg.DraftModel)
 
 
-@pytest.mark.parametrize("spec", ["prompt-lookup+none", "prompt-lookup+prompt-lookup"])
+@pytest.mark.parametrize("spec", ["prompt-lookup+none", "prompt-lookup+prompt-lookup", "prompt-lookup:2+prompt-lookup:3+self"])
 def test_a_composite_of_nothing_or_of_lookup_twice_is_refused_before_loading(spec):
     with pytest.raises(ValueError, match="after 'prompt-lookup\\+' comes 'self', 'layer-skip:LAYERS' or a drafter directory"):
         check_drafter_spec(spec)
