@@ -53,6 +53,8 @@ def saved(config, target, path, seed=0) -> Path:
 class RecordChain:
     """A greedy chain that records the draft distribution at every depth."""
 
+    max_depth = 16  # a TreePolicy's depth; `draft` asks for fewer
+
     def __init__(self):
         self.logps = []
 
