@@ -480,7 +480,7 @@ def spec_label(spec: str) -> str:
     """A --drafter value's name in tables: named drafters as given, directories by `drafter_label`."""
     composite = split_composite(spec)
     if composite is not None:
-        return spec[: len(spec) - len(composite[1])] + spec_label(composite[1])
+        return spec.removesuffix(composite[1]) + spec_label(composite[1])  # prompt-lookup[:K]+ as written
     return spec if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX) else drafter_label(Path(spec))
 
 

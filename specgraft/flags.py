@@ -50,7 +50,7 @@ def check_drafter_spec(spec: str) -> None:
     composite = split_composite(spec)
     if composite is not None:
         then = composite[1]
-        if then in NAMED_DRAFTERS and then != "self" or split_composite(then) is not None:
+        if (then in NAMED_DRAFTERS and then != "self") or split_composite(then) is not None:
             raise ValueError(
                 f"--drafter {spec!r}: after {COMPOSITE_PREFIX!r} comes 'self', 'layer-skip:LAYERS' or a drafter directory"
             )
