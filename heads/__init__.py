@@ -22,12 +22,14 @@ from specgraft.heads.eagle3 import Eagle3Drafter, Eagle3Head
 from specgraft.heads.export import export_head, validate_export
 from specgraft.heads.feature_drafter import FeatureDrafter
 from specgraft.heads.import_head import import_head
-from specgraft.heads.layer_skip import LayerSkip, parse_layer_set
+from specgraft.heads.layer_skip import LayerSkip
 from specgraft.heads.layer_skip_search import LayerSkipSearch, search_layer_skip
 from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.flags import LAYER_SKIP_PREFIX, split_composite
 from specgraft.model import Target
+from specgraft.specs import (
+    CompositeSpec, DirectorySpec, DrafterSpec, LayerSkipSpec, NoDrafter, PromptLookupSpec, SelfSpec, check_drafter,
+)
 
 
 def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig, target: Target) -> nn.Module:
@@ -84,31 +86,26 @@ def load_drafter(path: str | Path, target: Target) -> Drafter:
     return as_drafter(load_head(path, target), target)
 
 
-def drafter_from_spec(spec: str, target: Target) -> Drafter | None:
-    """A command-line drafter: ``none``, ``prompt-lookup``, ``self`` (the target drafts for itself),
-    ``layer-skip:LAYERS`` (the target drafts with those layers left out, e.g. ``layer-skip:12-19``), a directory,
-    or ``prompt-lookup+`` followed by one of the last three (`Composite`; the lookup takes one match, so the tree
-    keeps the size its policy gives it; ``prompt-lookup:K+`` lets it copy up to K tokens whatever the tree)."""
-    if spec == "none":
+def drafter_from_spec(spec: str | DrafterSpec, target: Target) -> Drafter | None:
+    """The drafter a spec names (`specgraft.specs` has the grammar): None for ``none``; a `Composite` for
+    ``prompt-lookup[:K]+X`` (the lookup takes one match, so the tree keeps the size its policy gives it).
+
+    Raises:
+        ValueError: a malformed spec. FileNotFoundError: a drafter directory it names is missing.
+    """
+    spec = check_drafter(spec)
+    if isinstance(spec, NoDrafter):
         return None
-    if spec == "prompt-lookup":
+    if isinstance(spec, PromptLookupSpec):
         return PromptLookup()
-    if spec == "self":
+    if isinstance(spec, SelfSpec):
         return DraftModel(target, target)
-    if spec.startswith(LAYER_SKIP_PREFIX):
-        return LayerSkip(target, skip=parse_layer_set(spec[len(LAYER_SKIP_PREFIX):]))
-    composite = split_composite(spec)
-    if composite is not None:
-        first_depth, then = composite[0], drafter_from_spec(composite[1], target)
-        if then is None or isinstance(then, (PromptLookup, Composite)):
-            raise ValueError(f"drafter {spec!r}: after 'prompt-lookup+' comes 'self', 'layer-skip:LAYERS' or a drafter directory")
-        return Composite(PromptLookup(max_matches=1), then, first_depth=first_depth)
-    if not Path(spec).expanduser().is_dir():
-        raise FileNotFoundError(
-            f"drafter {spec!r}: expected 'none', 'prompt-lookup', 'self', 'layer-skip:LAYERS', a drafter directory "
-            "or 'prompt-lookup+' and one of the last three"
-        )
-    return load_drafter(spec, target)
+    if isinstance(spec, LayerSkipSpec):
+        return LayerSkip(target, skip=list(spec.skip))
+    if isinstance(spec, CompositeSpec):
+        return Composite(PromptLookup(max_matches=1), drafter_from_spec(spec.then, target), first_depth=spec.first_depth)
+    assert isinstance(spec, DirectorySpec), spec
+    return load_drafter(spec.path, target)
 
 
 __all__ = [
@@ -118,6 +115,7 @@ __all__ = [
     "Drafter",
     "Eagle3Drafter",
     "Eagle3Head",
+    "EagleConfig",
     "EagleDrafter",
     "EagleHead",
     "FeatureDrafter",

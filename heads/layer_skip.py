@@ -33,6 +33,7 @@ import torch
 
 from specgraft.heads.draft_round import DraftRound
 from specgraft.model import TREE_SLOTS, Target, unsupported_reason
+from specgraft.specs import format_layer_set
 from specgraft.tree import Tree, TreePolicy
 from specgraft.tree.draw import DraftSampler
 
@@ -56,36 +57,6 @@ def check_skip(skip: Iterable[int], num_layers: int) -> tuple[int, ...]:
     if len(layers) == num_layers:
         raise ValueError(f"skip={layers} skips all {num_layers} layers of the target; keep at least one")
     return tuple(sorted(layers))
-
-
-def parse_layer_set(text: str) -> list[int]:
-    """'12-19,22' -> [12, ..., 19, 22]; '' -> [] (no layer). Ranges are inclusive.
-
-    Raises:
-        ValueError: a part that is neither an integer nor ``A-B`` with A <= B.
-    """
-    layers: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        first, dash, last = part.partition("-")
-        try:
-            lo, hi = int(first), int(last) if dash else int(first)
-        except ValueError:
-            raise ValueError(f"layer set {text!r}: {part!r} is not a layer index or an inclusive range A-B") from None
-        if lo > hi:
-            raise ValueError(f"layer set {text!r}: range {part!r} runs backwards")
-        layers.extend(range(lo, hi + 1))
-    return layers
-
-
-def format_layer_set(layers: Iterable[int]) -> str:
-    """[12, 13, 14, 19] -> '12-14,19' (the inverse of `parse_layer_set` on sorted, distinct layers)."""
-    runs: list[list[int]] = []
-    for layer in sorted(layers):
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class LayerSkip:

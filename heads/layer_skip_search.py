@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from specgraft.heads.layer_skip import format_layer_set
+from specgraft.specs import LayerSkipSpec
 from specgraft.model import Target
 from specgraft.model.fast_llama import FastLlama, linear, rms_norm
 
@@ -51,7 +51,7 @@ class SkipCandidate:
     @property
     def spec(self) -> str:
         """The --drafter value that builds this drafter, e.g. ``layer-skip:12-19``."""
-        return f"layer-skip:{format_layer_set(self.skip)}"
+        return str(LayerSkipSpec(tuple(self.skip)))
 
 
 @dataclass

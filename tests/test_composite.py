@@ -10,10 +10,10 @@ import torch
 from test_engine_api import hf_generate
 
 import specgraft as sg
-from specgraft.flags import check_drafter_spec
 from specgraft.heads import Composite, drafter_from_spec
+from specgraft.specs import check_drafter
 from specgraft.heads.composite import CompositeState
-from specgraft.infer.bench import drafter_label, spec_label
+from specgraft.tools.bench import drafter_label, spec_label
 
 TREE = sg.DynamicTree(top_k=4, depth=4, budget=12)
 
@@ -106,7 +106,7 @@ def test_the_depth_in_the_spec_reaches_the_composite(stories, trained_eagle):
 @pytest.mark.parametrize("depth", ["0", "x", "", "-1"])
 def test_a_lookup_depth_that_is_not_a_positive_number_is_refused_before_loading(depth):
     with pytest.raises(ValueError, match=f"after 'prompt-lookup:' comes a number of tokens >= 1, got '{depth}'"):
-        check_drafter_spec(f"prompt-lookup:{depth}+self")
+        check_drafter(f"prompt-lookup:{depth}+self")
 
 
 def test_a_composite_first_depth_below_one_is_refused():
@@ -134,12 +134,12 @@ def test_the_spec_builds_lookup_with_one_match_then_the_drafter(stories, trained
 @pytest.mark.parametrize("spec", ["prompt-lookup+none", "prompt-lookup+prompt-lookup", "prompt-lookup:2+prompt-lookup:3+self"])
 def test_a_composite_of_nothing_or_of_lookup_twice_is_refused_before_loading(spec):
     with pytest.raises(ValueError, match="after 'prompt-lookup\\+' comes 'self', 'layer-skip:LAYERS' or a drafter directory"):
-        check_drafter_spec(spec)
+        check_drafter(spec)
 
 
 def test_a_composite_of_a_missing_directory_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-head.*does not exist"):
-        check_drafter_spec(f"prompt-lookup+{tmp_path / 'no-such-head'}")
+        check_drafter(f"prompt-lookup+{tmp_path / 'no-such-head'}")
 
 
 def test_the_state_commits_to_both_and_sums_their_caches(stories):

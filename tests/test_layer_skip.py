@@ -12,8 +12,8 @@ import specgraft as sg
 from conftest import STORIES, needs_shared, tiny_causal_lm
 from specgraft.cli import main
 from specgraft.heads import drafter_from_spec
-from specgraft.heads.layer_skip import format_layer_set, parse_layer_set
-from specgraft.infer.exactness import fit
+from specgraft.specs import format_layer_set, parse_layer_set
+from specgraft.tools.exactness import fit
 from specgraft.infer.sampling import SamplingPolicy
 
 TREES = {

@@ -22,6 +22,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 
 import torch
 
+from specgraft.specs import ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree
 from specgraft.tree.draw import DraftSampler, Picked, check_draw, pick_children
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
@@ -311,27 +312,23 @@ class StaticTree:
         return builder.tree()
 
 
-def parse_tree_spec(spec: str) -> TreePolicy:
+def parse_tree_spec(spec: str | TreeSpec) -> TreePolicy:
     """``chain:5``, ``static:FILE.json`` (Medusa-style paths), ``dynamic:TOP_K,DEPTH,BUDGET`` (EAGLE-2),
-    or a ``FILE.json`` tree spec (as `specgraft tune-tree` writes)."""
+    or a ``FILE.json`` tree spec (as `specgraft tune-tree` writes), as a policy (`specgraft.specs` parses)."""
+    return policy_from_spec(parse_tree(spec))
+
+
+def policy_from_spec(spec: TreeSpec) -> TreePolicy:
+    """The policy a parsed tree spec describes; the spec's file, if it names one, is read here."""
     from specgraft.tree.dynamic import DynamicTree
 
-    kind, _, arg = spec.partition(":")
-    if kind not in ("chain", "static", "dynamic") and spec.endswith(".json"):
-        return tree_from_file(spec)
-    if kind == "chain" and arg.isdigit():
-        return Chain(depth=int(arg))
-    if kind == "static" and arg:
-        return StaticTree.from_file(arg)
-    if kind == "dynamic":
-        parts = arg.split(",")
-        if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
-            top_k, depth, budget = (int(p) for p in parts)
-            return DynamicTree(top_k=top_k, depth=depth, budget=budget)
-    raise ValueError(
-        f"unknown tree spec {spec!r}: expected 'chain:DEPTH', 'static:FILE.json', 'dynamic:TOP_K,DEPTH,BUDGET' "
-        "or a FILE.json written by specgraft tune-tree"
-    )
+    if isinstance(spec, ChainSpec):
+        return Chain(depth=spec.depth)
+    if isinstance(spec, DynamicSpec):
+        return DynamicTree(top_k=spec.top_k, depth=spec.depth, budget=spec.budget)
+    if isinstance(spec, StaticFileSpec):
+        return StaticTree.from_file(spec.path)
+    return tree_from_file(spec.path)
 
 
 def tree_from_file(path: str | Path) -> TreePolicy:
