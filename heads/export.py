@@ -38,8 +38,7 @@ from safetensors.torch import load_file, save_file
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, umask_mode
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
-from specgraft.flags import EXPORT_FORMATS as FORMATS
-from specgraft.flags import add_export_arguments as add_export_arguments
+from specgraft.specs import EXPORT_FORMATS as FORMATS
 from specgraft.model import Target
 
 SUPPORTED = {
@@ -502,12 +501,3 @@ def _readme(head_cfg, signature, cfg, fmt, out: Path) -> str:
         f"{NOTES[head_cfg.type, fmt]}\n\n"
         f"Back into specgraft: `specgraft import-head {out} --format {head_cfg.type} OUT --target {signature['name']}`\n"
     )
-
-
-# -- command line (wired by specgraft/cli.py) -----------------------------------------------------
-
-
-def export_main(args) -> int:
-    out = export_head(args.head_dir, args.fmt, args.out_dir, target=args.target)
-    print(f"exported to {out}; serve it with:\n  " + (out / "README.md").read_text().split("```bash\n")[1].split("\n```")[0])
-    return 0

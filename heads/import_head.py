@@ -25,8 +25,7 @@ from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.heads.export import UNSUPPORTED_VARIANTS
-from specgraft.flags import IMPORT_FORMATS
-from specgraft.flags import add_import_arguments as add_import_arguments
+from specgraft.specs import IMPORT_FORMATS
 from specgraft.model import Target
 
 WEIGHT_FILES = {  # in the order the official loaders look for them
@@ -233,12 +232,3 @@ def import_head(src: str | Path, fmt: str, out_dir: str | Path, target: Target) 
 
 
 # -- command line (wired by specgraft/cli.py) -----------------------------------------------------
-
-
-def import_main(args) -> int:
-    from specgraft.model import load_target
-
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
-    out = import_head(args.src_dir, args.fmt, args.out_dir, target)
-    print(f"imported {args.fmt} head to {out}")
-    return 0

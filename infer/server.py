@@ -13,7 +13,6 @@ never decodes by itself. Routes: ``POST /v1/completions``,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import secrets
@@ -22,7 +21,6 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -30,9 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from specgraft.flags import LAYER_SKIP_PREFIX, PROMPT_LOOKUP
-from specgraft.flags import add_serve_arguments as add_serve_arguments
-from specgraft.heads import PromptLookup, drafter_from_spec, load_drafter
+from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
 from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
 from specgraft.infer.openai_protocol import (
@@ -53,8 +49,8 @@ from specgraft.infer.openai_protocol import (
 from specgraft.infer.serve_metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
-from specgraft.tree import Chain, StaticTree, TreePolicy, parse_tree_spec
-from specgraft.tree.policies import tree_from_spec
+from specgraft.specs import PROMPT_LOOKUP, parse_tree, tree_file
+from specgraft.tree import Chain, StaticTree, TreePolicy, policy_from_spec, tree_from_spec
 
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
 DISCONNECT_POLL_S = 0.5  # how often a request that has no token yet checks that its client is still there
@@ -120,10 +116,11 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
     """
     try:
         if isinstance(spec, str):
-            if not spec.startswith(("chain:", "dynamic:")):
+            parsed = parse_tree(spec)
+            if tree_file(parsed) is not None:
                 raise ValueError(f"tree {spec!r}: a request takes 'chain:K', 'dynamic:TOP_K,DEPTH,BUDGET', "
                                  "a list of paths or a tree spec object (never a file)")
-            tree = parse_tree_spec(spec)
+            tree = policy_from_spec(parsed)
         elif isinstance(spec, list):
             tree = StaticTree(spec)
         else:
@@ -453,46 +450,14 @@ def speculative_stats(job: Job, stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------------------------------- command line
+# ---------------------------------------------------------------------------------------------- running it
 
 
-def parse_drafter_flags(flags: list[str]) -> dict[str, str]:
-    """``NAME=HEAD_DIR`` flags -> {name: dir}; names are unique and not reserved, directories exist."""
-    named: dict[str, str] = {}
-    for flag in flags:
-        name, sep, path = flag.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--drafter {flag!r}: expected NAME=HEAD_DIR")
-        if name in ("none", "auto", PROMPT_LOOKUP) or name in named:
-            raise ValueError(f"--drafter {flag!r}: the name {name!r} is reserved or given twice")
-        if path != "self" and not path.startswith(LAYER_SKIP_PREFIX) and not Path(path).expanduser().is_dir():
-            raise FileNotFoundError(f"--drafter {flag!r}: directory {path!r} does not exist")
-        named[name] = path
-    return named
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
+def run_server(app: FastAPI, *, host: str, port: int, shutdown_timeout: float) -> int:
+    """Serve ``app`` until SIGTERM / SIGINT; uvicorn drains in-flight requests for up to ``shutdown_timeout`` s."""
     import uvicorn
 
-    import specgraft as sg
-
-    named = parse_drafter_flags(args.drafter)
-    tree = parse_tree_spec(args.tree)
-    if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
-        raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
-    drafters = {
-        name: drafter_from_spec(path, target) if path == "self" or path.startswith(LAYER_SKIP_PREFIX) else load_drafter(path, target)
-        for name, path in named.items()
-    }
-    app = create_app(
-        target, drafters, default_drafter=args.default_drafter, default_tree=tree,
-        model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue, api_key=args.api_key,
-    )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout)
     # uvicorn catches SIGTERM, stops accepting, drains in-flight requests (up to --shutdown-timeout), and then
     # re-raises the signal for the handler it found. That handler is this one, so a drained server exits 0
     # rather than dying by the signal's default action.

@@ -18,7 +18,6 @@ level: the CLI's flags read this module.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from dataclasses import dataclass
@@ -98,19 +97,6 @@ def choose_threads(num_params: int, device_type: str = "cpu", requested: int | s
         return ThreadChoice(cores, f"auto: {size}, one thread per available core ({cores})")
     threads = max(1, min(cores, round(idle)))
     return ThreadChoice(threads, f"auto: {size}, one thread per idle core ({idle:.1f} of {cores} idle)")
-
-
-def parse_threads(value: str) -> int | str:
-    """A ``--threads`` value: "auto" or a positive int (argparse ``type=``)."""
-    if value == "auto":
-        return value
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive int, got {value!r}")
-    return count
 
 
 def apply_threads(model, requested: int | str | None = "auto") -> ThreadChoice:

@@ -18,27 +18,15 @@ from conftest import DEV_PROMPTS, SHARED, STORIES
 import specgraft as sg
 from specgraft.heads import build_head, save_head
 from specgraft.heads.configs import MedusaConfig
-from specgraft.infer.bench import (
-    PLOTS,
-    STATS_KEYS,
-    BenchPrompt,
-    ChunkClock,
-    Runner,
-    acceptance_by_depth,
-    add_bench_arguments,
-    aggregate,
-    bench_main,
-    build_drafter,
-    encode_prompt,
-    engine_runner,
-    expand_sweep,
-    first_difference,
-    parse_baseline,
-    read_prompt_file,
-    run_bench,
-    tree_label,
+from specgraft.cli.flags import add_bench_arguments
+from specgraft.tools.bench import (
+    acceptance_by_depth, aggregate, bench_main, build_drafter, expand_sweep, first_difference, run_bench, tree_label,
 )
-from specgraft.infer.bench_runners import HF_GREEDY, hf_runner, hf_sampling
+from specgraft.tools.bench_report import PLOTS
+from specgraft.tools.bench_runners import (
+    HF_GREEDY, STATS_KEYS, ChunkClock, Runner, engine_runner, hf_runner, hf_sampling, parse_baseline,
+)
+from specgraft.tools.prompts import BenchPrompt, encode_prompt, read_prompt_file
 from specgraft.tree import DynamicTree
 
 N = 16  # new tokens per run: enough for drafts to be accepted and rejected

@@ -43,7 +43,7 @@ def test_model_flags_name_every_drafter_and_tree_form(command, capsys):
 def test_every_command_builds_its_flags_and_entry_point():
     parser = build_parser()  # every command's flags at once (main builds only the chosen one's)
     args = parser.parse_args(["bench", "--target", "t", "--prompts", "p.jsonl", "--out", "o"])
-    assert args.func.__name__ == "bench_main" and args.threads == "auto"
+    assert args.func.__name__ == "cmd_bench" and args.threads == "auto"
     for name in COMMANDS:
         assert parser._subparsers._group_actions[0].choices[name].get_default("func") is not None, name
 

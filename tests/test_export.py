@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,8 +13,7 @@ import specgraft as sg
 from specgraft.heads import build_head, export_head, import_head, load_drafter, save_head, validate_export
 from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle3 import default_aux_layers
-from specgraft.heads.export import add_export_arguments, export_main
-from specgraft.heads.import_head import add_import_arguments, import_main
+from specgraft.cli import main
 from specgraft.tree import TreeBuilder
 from conftest import tiny_causal_lm
 
@@ -494,13 +492,8 @@ def test_imports_name_what_does_not_fit(tiny, tmp_path):
 
 def test_command_line_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     head_dir = saved(MedusaConfig(num_heads=2), tiny, tmp_path / "h")
-    parser = argparse.ArgumentParser()
-    add_export_arguments(parser)
-    assert export_main(parser.parse_args([str(head_dir), "--to", "vllm", str(tmp_path / "x")])) == 0
+    assert main(["export", str(head_dir), "--to", "vllm", str(tmp_path / "x")]) == 0
     assert "vllm serve" in capsys.readouterr().out
-    parser = argparse.ArgumentParser()
-    add_import_arguments(parser)
     monkeypatch.setattr("specgraft.model.load_target", lambda *a, **k: tiny)  # the tiny target has no directory
-    args = parser.parse_args([str(tmp_path / "x"), "--format", "medusa", str(tmp_path / "back"), "--target", "tiny"])
-    assert import_main(args) == 0
+    assert main(["import-head", str(tmp_path / "x"), "--format", "medusa", str(tmp_path / "back"), "--target", "tiny"]) == 0
     assert_same_drafts(head_dir, tmp_path / "back", tiny)

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 
 from conftest import STORIES, needs_shared
-from specgraft import quickstart as qs
-from specgraft.infer.bench import PLOTS, add_bench_arguments, bench_main
-from specgraft.train import demo_target as dt
+from specgraft import cli
+from specgraft.cli.flags import add_bench_arguments, add_quickstart_arguments
+from specgraft.tools import quickstart as qs
+from specgraft.tools.bench import bench_main
+from specgraft.tools.bench_report import PLOTS
+from specgraft.tools.stages import StageFailed, StageResult
+from specgraft.tools import demo_target as dt
 
 TOY_DEMO = dt.DemoTargetSpec(
     vocab_size=320, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, context=128, batch_size=4,
@@ -49,7 +53,7 @@ def demo_run(tmp_path_factory):
 
 
 def parser() -> argparse.ArgumentParser:
-    return qs.add_quickstart_arguments(argparse.ArgumentParser())
+    return add_quickstart_arguments(argparse.ArgumentParser())
 
 
 # ------------------------------------------------------------------------------------------ demo target
@@ -156,7 +160,7 @@ def test_resume_reruns_from_the_first_changed_or_missing_stage(monkeypatch, tmp_
             ran.append(stage)
             artifact = out / f"{stage}.txt"
             artifact.write_text(stage)
-            return qs.StageResult({f"{stage}_file": str(artifact)}, "fake", artifacts=[str(artifact)])
+            return StageResult({f"{stage}_file": str(artifact)}, "fake", artifacts=[str(artifact)])
         return run
 
     for stage in qs.STAGES:
@@ -191,7 +195,7 @@ def test_an_interrupted_stage_continues_its_work_only_with_the_same_settings(dem
 
     monkeypatch.setitem(qs.STAGE_FUNCTIONS, "data", interrupted)
     for overrides in ({}, {}, {"samples": 13}, {}):
-        with pytest.raises(qs.StageFailed, match="stage 'data' failed"):
+        with pytest.raises(StageFailed, match="stage 'data' failed"):
             qs.run_quickstart(toy_config(out, cfg.cache_dir, resume=True, **overrides), echo=lambda line: None)
     assert calls == [False, True, False, False]  # the last run's settings differ from the third's
 
@@ -202,7 +206,7 @@ def test_a_failing_stage_is_named_with_the_resume_command(monkeypatch, tmp_path,
 
     monkeypatch.setitem(qs.STAGE_FUNCTIONS, "target", broken)
     args = parser().parse_args(["--out", str(tmp_path / "run"), "--samples", "40", "--tree", "chain:3"])
-    assert qs.quickstart_main(args) == 1
+    assert cli.cmd_quickstart(args) == 1
     err = capsys.readouterr().err
     assert "stage 'target' failed" in err and "no space left for the head" in err
     assert f"{qs.specgraft_command()} quickstart --out {tmp_path / 'run'} --samples 40 --tree chain:3 --resume" in err
@@ -211,7 +215,7 @@ def test_a_failing_stage_is_named_with_the_resume_command(monkeypatch, tmp_path,
 
 def test_bad_sizes_fail_before_any_stage(tmp_path):
     with pytest.raises(ValueError, match="samples=0"):
-        qs.config_from_args(parser().parse_args(["--out", str(tmp_path), "--samples", "0"]))
+        cli.config_from_args(parser().parse_args(["--out", str(tmp_path), "--samples", "0"]))
     with pytest.raises(ValueError, match="--prompts needs --target"):
         qs.QuickstartConfig(out_dir=tmp_path, prompts=__file__)
 
@@ -226,7 +230,7 @@ def test_stories260k_quickstart_matches_specgraft_bench(tmp_path, capsys):
         "--target", str(STORIES), "--samples", "8", "--train-minutes", "0.05", "--max-new-tokens", "16",
         "--bench-prompts", "2", "--out", str(out),
     ])
-    assert qs.quickstart_main(args) == 0
+    assert cli.cmd_quickstart(args) == 0
     printed = capsys.readouterr().out
     assert "[4/4] bench" in printed and "Greedy outputs identical to `hf`: yes." in printed
     assert qs.DEMO_NOTE not in printed
@@ -248,14 +252,14 @@ def test_stories260k_quickstart_matches_specgraft_bench(tmp_path, capsys):
 
 def test_a_missing_target_path_fails_before_the_run_directory_exists(tmp_path):
     with pytest.raises(FileNotFoundError, match="--target './no-such-model' is not a directory"):
-        qs.config_from_args(parser().parse_args(["--target", "./no-such-model", "--out", str(tmp_path / "run")]))
+        cli.config_from_args(parser().parse_args(["--target", "./no-such-model", "--out", str(tmp_path / "run")]))
     assert not (tmp_path / "run").exists()
 
 
 def test_a_target_that_cannot_load_leaves_nothing_to_resume(tmp_path, capsys):
     # A hub id, not a path: only loading it (offline here) can tell.
     args = parser().parse_args(["--target", "no-such-org/no-such-model", "--out", str(tmp_path / "run")])
-    assert qs.quickstart_main(args) == 1
+    assert cli.cmd_quickstart(args) == 1
     err = capsys.readouterr().err
     assert "stage 'target' failed" in err and "check --target" in err
     assert "--resume" not in err and not (tmp_path / "run").exists()

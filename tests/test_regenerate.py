@@ -10,7 +10,7 @@ import torch
 
 from specgraft.model import Target
 from specgraft.train.data import load_records
-from specgraft.train.regenerate import regenerate
+from specgraft.train.regeneration import regenerate
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}{{ m['content'] }}<|end|>{{ '\\n' }}{% endfor %}"
@@ -288,7 +288,7 @@ def scripted(chat_stories, monkeypatch):
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_users_words(chat_stories):
-    from specgraft.train.regenerate import user_turn_prefix
+    from specgraft.train.regeneration import user_turn_prefix
 
     ids, end = user_turn_prefix(chat_stories.tokenizer)
     assert chat_stories.tokenizer.decode(ids) == "<|user|>\n"
@@ -330,7 +330,7 @@ def test_self_instruct_drops_duplicate_and_unfinished_user_turns_and_samples_aga
 
 
 def test_self_instruct_stops_after_its_attempt_cap(scripted, tmp_path, caplog):
-    from specgraft.train.regenerate import SELF_INSTRUCT_ATTEMPTS
+    from specgraft.train.regeneration import SELF_INSTRUCT_ATTEMPTS
 
     target, script, calls = scripted
     cap = 2 * SELF_INSTRUCT_ATTEMPTS  # two conversations wanted

@@ -20,7 +20,7 @@ import torch
 import specgraft as sg
 import specgraft.infer.generator as generator_module
 from specgraft.infer.sampling import Sampler, SamplingPolicy
-from specgraft.infer.exactness import fit
+from specgraft.tools.exactness import fit
 from specgraft.infer.verify import Acceptance, sample_accept
 from markov_lm import exact_distribution, markov_target
 

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 import specgraft as sg
-from specgraft.infer.exactness import chi2_sf, fit
+from specgraft.tools.exactness import chi2_sf, fit
 from specgraft.infer.sampling import SamplingPolicy, check_prefix_free
 from specgraft.infer.verify import sample_accept
 from specgraft.tree import Tree
@@ -163,7 +163,7 @@ def test_self_draft_at_temperature_one_is_always_accepted(stories, dev_prompts):
 
 
 def test_check_exactness_passes_on_stories260k_with_prompt_lookup(stories):
-    from specgraft.infer.exactness import check_exactness
+    from specgraft.tools.exactness import check_exactness
 
     gen = sg.SpeculativeGenerator(stories, sg.PromptLookup())
     reports = check_exactness(gen, ["Once upon a time, there was a girl. Once upon a time"], samples=400, length=2, top_k=4)

@@ -374,7 +374,7 @@ def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, 
 
     import torch
 
-    from specgraft.infer.exactness import fit
+    from specgraft.tools.exactness import fit
 
     target, draft = small_vocab_pair
     policy = sg.Chain(3, draw="sample") if tree == "chain" else sg.StaticTree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], draw="sample")

@@ -412,7 +412,7 @@ def test_bench_server_writes_the_concurrency_table(server, tmp_path):
 
 def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
     from specgraft.cli import main
-    from specgraft.infer.bench_server import parse_concurrency
+    from specgraft.tools.bench_server import parse_concurrency
 
     with pytest.raises(ValueError, match="positive integers"):
         parse_concurrency("1,x")

@@ -10,7 +10,7 @@ import torch
 
 import specgraft as sg
 from conftest import DEV_PROMPTS, STORIES
-from specgraft.infer.tune import (
+from specgraft.tools.tune import (
     measure_acceptance,
     measure_one_token,
     measure_step_costs,

@@ -1,6 +1,6 @@
 """Hardware-aware tree sizing: pick the tree that commits the most tokens per second.
 
-Inputs, both measured (see ``specgraft.infer.tune``):
+Inputs, both measured (see ``specgraft.tools.tune``):
 
 - ``acceptance[d][r]``: probability that the drafter's rank-r token at depth d
   is the one verification keeps, given its parent was kept (the positional

@@ -22,14 +22,13 @@ us (draft tokens, KV peak) is None and listed under ``not_measured``.
 Writes ``results.json``, ``results.md`` and three PNG plots into ``--out``.
 
 This module runs the bench (interleaving, aggregation, sweeps, flags); the
-prompt readers are in `specgraft.infer.prompts`, the methods in
+prompt readers are in `specgraft.tools.prompts`, the methods in
 `bench_runners`, the report and plots in `bench_report`, and ``--server``
 (a running `specgraft serve` driven over HTTP) in `bench_server`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -39,35 +38,26 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
-from specgraft.heads import PromptLookup, drafter_from_spec
-from specgraft.heads.base import Drafter
-# Re-exported: bench.py was one file, and callers import these names from it.
-from specgraft.infer.bench_report import PLOTS as PLOTS
-from specgraft.infer.bench_report import results_markdown as results_markdown
-from specgraft.infer.bench_report import write_results
-from specgraft.infer.bench_runners import STATS_KEYS as STATS_KEYS
-from specgraft.infer.bench_runners import ChunkClock  # noqa: F401
-from specgraft.infer.bench_runners import (
-    BASELINE_KINDS,
-    HF_PLD_NUM_TOKENS,
-    Runner,
-    baseline_runner,
-    drafter_label,
-    engine_runner,
-    parse_baseline,
-)
-from specgraft.infer.prompts import BenchPrompt, read_prompt_file
-from specgraft.infer.prompts import encode_prompt as encode_prompt
-from specgraft.infer.stats import GenerationStats
+from specgraft.heads import Drafter, PromptLookup, drafter_from_spec
+from specgraft.infer import GenerationStats
 from specgraft.model import Target
-from specgraft.flags import LAYER_SKIP_PREFIX, NAMED_DRAFTERS, check_drafter_spec, split_composite
-from specgraft.flags import add_bench_arguments as add_bench_arguments
+from specgraft.specs import (
+    DirectorySpec, DrafterSpec, NoDrafter, StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
+)
 from specgraft.threads import apply_threads
+from specgraft.tools.bench_report import PLOTS, results_markdown, write_results
+from specgraft.tools.bench_runners import (
+    HF_PLD_NUM_TOKENS, STATS_KEYS, Runner, baseline_runner, drafter_label, engine_runner, parse_baseline,
+)
+from specgraft.tools.prompts import BenchPrompt, encode_prompt, read_prompt_file
 from specgraft.tree import Chain, TreePolicy, parse_tree_spec
+
+if TYPE_CHECKING:
+    import argparse
 
 SWEEP_KEYS = ("depth", "top_k", "budget")
 
@@ -441,8 +431,7 @@ def parse_batch_sizes(spec: str) -> list[int]:
 
 def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int], threads_why: str) -> int:
     """``bench --batch-size``: each method over the prompts B at a time; writes JSON, markdown and a plot."""
-    from specgraft.infer.bench_batch import batch_markdown, run_batch_sweep, write_batch_plot
-    from specgraft.infer.prompts import encode_prompt
+    from specgraft.tools.bench_batch import batch_markdown, run_batch_sweep, write_batch_plot
 
     if args.temperature:
         raise ValueError("--batch-size runs greedy (its outputs are checked against plain decoding); drop --temperature")
@@ -464,24 +453,26 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     return 0
 
 
-def _check_drafter_spec(spec: str) -> None:
-    if spec == "none":
+def check_bench_drafter(spec: str | DrafterSpec) -> DrafterSpec:
+    """A --drafter of the bench, parsed and checked (`specgraft.specs.check_drafter`); ``none`` is a baseline here."""
+    parsed = check_drafter(spec)
+    if isinstance(parsed, NoDrafter):
         raise ValueError("--drafter none: plain decoding is the 'plain' baseline here (--baselines plain)")
-    check_drafter_spec(spec)
+    return parsed
 
 
-def build_drafter(spec: str, target: Target) -> Drafter:
+def build_drafter(spec: str | DrafterSpec, target: Target) -> Drafter:
     """A drafter from a --drafter value (see `specgraft.heads.drafter_from_spec`); ``none`` is a baseline here."""
-    _check_drafter_spec(spec)
-    return drafter_from_spec(spec, target)
+    return drafter_from_spec(check_bench_drafter(spec), target)
 
 
-def spec_label(spec: str) -> str:
-    """A --drafter value's name in tables: named drafters as given, directories by `drafter_label`."""
-    composite = split_composite(spec)
-    if composite is not None:
-        return spec.removesuffix(composite[1]) + spec_label(composite[1])  # prompt-lookup[:K]+ as written
-    return spec if spec in NAMED_DRAFTERS or spec.startswith(LAYER_SKIP_PREFIX) else drafter_label(Path(spec))
+def spec_label(spec: str | DrafterSpec) -> str:
+    """A --drafter value's name in tables: as written, with each directory named by `drafter_label`."""
+    parsed = parse_drafter(spec)
+    if isinstance(parsed, DirectorySpec):
+        return drafter_label(Path(parsed.path))
+    then = getattr(parsed, "then", None)  # a composite: prompt-lookup[:K]+ as written, then its drafter's label
+    return str(parsed) if then is None else str(parsed).removesuffix(str(then)) + spec_label(then)
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
@@ -516,10 +507,10 @@ def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], targ
 
 def tree_label(spec: str) -> str:
     """A tree spec as a method label: a spec file by its file name, other specs as written."""
-    if not spec.endswith(".json"):
-        return spec
-    kind, _, rest = spec.partition(":")
-    return f"static:{Path(rest).name}" if kind == "static" else Path(spec).name
+    parsed = parse_tree(spec)
+    if isinstance(parsed, StaticFileSpec):
+        return f"static:{Path(parsed.path).name}"
+    return Path(parsed.path).name if isinstance(parsed, TreeFileSpec) else spec
 
 
 def _trees(args: argparse.Namespace) -> list[tuple[str, TreePolicy]]:
@@ -552,10 +543,10 @@ def bench_main(args: argparse.Namespace) -> int:
     for spec in baselines:
         parse_baseline(spec)
     for spec in args.drafter:
-        _check_drafter_spec(spec)
+        check_bench_drafter(spec)
     for spec, tree_spec in args.method:
-        _check_drafter_spec(spec)
-        parse_tree_spec(tree_spec)
+        check_bench_drafter(spec)
+        parse_tree(tree_spec)
     trees = _trees(args)
     prompts = read_prompt_file(args.prompts, args.limit, args.per_category)
     if not args.drafter and not args.method and not baselines:
@@ -588,7 +579,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
 def _server_bench(args: argparse.Namespace) -> int:
     """``--server``: the HTTP bench, which loads no model here; flags of the offline bench are refused."""
-    from specgraft.infer.bench_server import server_bench_main
+    from specgraft.tools.bench_server import server_bench_main
 
     offline = [flag for flag, given in (("--target", args.target), ("--tree", args.tree), ("--method", args.method),
                                         ("--sweep", args.sweep), ("--temperature", args.temperature)) if given]

@@ -7,10 +7,10 @@
 Four stages, each a line with its time:
 
 1. ``target``: with no ``--target``, a small Llama trained on the Python
-   standard library's own source (`specgraft.train.demo_target`), cached under
+   standard library's own source (`specgraft.tools.demo_target`), cached under
    the user cache directory, so only the first run pays for it. With
    ``--target``, any HF causal LM (a directory or hub id) is loaded and checked.
-2. ``data``: prompts, then self-distillation (`specgraft.train.regenerate`):
+2. ``data``: prompts, then self-distillation (`specgraft.train.regeneration`):
    the target writes the sequences its head learns from. Demo prompts are the
    first two lines of stdlib functions and classes from files the target never
    trained on, plus samples from BOS; other targets use ``--prompts`` or
@@ -18,7 +18,7 @@ Four stages, each a line with its time:
 3. ``train``: an EAGLE head through the DeepSpeed trainer (one process),
    from a `TrainConfig` built here; ``--train-minutes`` becomes a step budget
    from a measured step time.
-4. ``bench``: `specgraft.infer.bench.run_bench` with the head (a chain and an
+4. ``bench``: `specgraft.tools.bench.run_bench` with the head (a chain and an
    EAGLE-2 dynamic tree) against plain decoding and HF ``generate``, greedy, so
    it also checks that every output is token-identical to HF's.
 
@@ -30,7 +30,6 @@ command that resumes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,14 +38,16 @@ import shlex
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-# No torch at module level (each stage imports it): `specgraft quickstart --help` reads this module's flags.
+# No torch at module level (each stage imports it): `specgraft quickstart --help` reads this module's defaults.
 from specgraft.threads import choose_threads
-from specgraft.train.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
+from specgraft.tools.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
+from specgraft.tools.stages import Stage, StageResult, duration, run_stages
+from specgraft.tools.step_cost import measure_step_cost
 
 STAGES = ("target", "data", "train", "bench")
 STAGE_DIR = "stages"
@@ -102,10 +103,10 @@ class QuickstartConfig:
         bad += [f"{name}={getattr(self, name)}" for name in ("train_minutes", "demo_minutes", "lr") if getattr(self, name) <= 0]
         if bad:
             raise ValueError(f"quickstart sizes must be positive: {', '.join(bad)}")
-        from specgraft.tree import parse_tree_spec
+        from specgraft.specs import parse_tree
 
         for spec in self.trees:
-            parse_tree_spec(spec)
+            parse_tree(spec)
         if self.prompts is not None and not Path(self.prompts).expanduser().is_file():
             raise FileNotFoundError(f"--prompts {self.prompts!r} does not exist")
         if self.target is not None and self.target.startswith((".", "/", "~")) and not Path(self.target).expanduser().is_dir():
@@ -114,23 +115,6 @@ class QuickstartConfig:
             raise ValueError("--retrain-target retrains the demo target; it cannot be combined with --target")
         if self.prompts is not None and self.target is None:
             raise ValueError("--prompts needs --target: the demo target's prompts come from the standard library")
-
-
-class StageFailed(RuntimeError):
-    """A stage raised; carries the stage's name and how long it ran."""
-
-    def __init__(self, stage: str, seconds: float, cause: BaseException) -> None:
-        super().__init__(f"stage {stage!r} failed after {_duration(seconds)}: {type(cause).__name__}: {cause}")
-        self.stage = stage
-        self.seconds = seconds
-        self.cause = cause
-
-
-@dataclass
-class StageResult:
-    outputs: dict[str, Any]  # what later stages read (paths, names, sizes)
-    summary: str  # the stage's line
-    artifacts: list[str] = field(default_factory=list)  # files and directories a resumed run needs to find again
 
 
 # ---------------------------------------------------------------------------- the run
@@ -148,47 +132,14 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = print) -
     hf_logging.disable_progress_bar()  # "Loading weights" bars at every load; the stages show their own
     datasets_logging.disable_progress_bar()  # "Generating train split" at every data load
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    markers = cfg.out_dir / STAGE_DIR
-    markers.mkdir(exist_ok=True)
-    outputs: dict[str, Any] = {}
-    key: dict[str, Any] = {}
-    rerun = not cfg.resume
-    total_start = time.perf_counter()
-    for number, stage in enumerate(STAGES, start=1):
-        key = {"previous": key, **_stage_key(cfg, stage)}
-        marker = markers / f"{stage}.json"
-        label = f"[{number}/{len(STAGES)}] {stage:<6}"
-        done = _read_marker(marker)
-        missing = [p for p in (done or {}).get("artifacts", []) if not Path(p).exists()]
-        if not rerun and done is not None and done["key"] == key and not missing:
-            outputs.update(done["outputs"])
-            echo(f"{label} reused (took {_duration(done['seconds'])} in an earlier run): {done['summary']}")
-            continue
-        if not rerun and done is not None:
-            why = f"{missing[0]} is gone" if missing else "its settings changed"
-            echo(f"{label} {why} since the earlier run: running it again, and every stage after it")
-        rerun = True
-        for later in STAGES[number - 1 :]:
-            (markers / f"{later}.json").unlink(missing_ok=True)
-        started = markers / f"{stage}.started.json"
-        # An interrupted stage may continue its partial work only if it was started with these settings.
-        continue_partial = cfg.resume and (_read_marker(started) or {}).get("key") == key
-        started.write_text(json.dumps({"stage": stage, "key": key}, indent=2) + "\n")
-        start, cpu_start = time.perf_counter(), time.process_time()
-        try:
-            result = STAGE_FUNCTIONS[stage](cfg, outputs, continue_partial)
-        except (Exception, KeyboardInterrupt) as err:
-            raise StageFailed(stage, time.perf_counter() - start, err) from err
-        seconds = time.perf_counter() - start
-        outputs.update(result.outputs)
-        marker.write_text(json.dumps(
-            {"stage": stage, "key": key, "seconds": round(seconds, 1),
-             "cpu_seconds": round(time.process_time() - cpu_start, 1), "outputs": result.outputs,
-             "artifacts": result.artifacts, "summary": result.summary},
-            indent=2,
-        ) + "\n")
-        echo(f"{label} {_duration(seconds):>6}  {result.summary}")
-    outputs["total_seconds"] = round(time.perf_counter() - total_start, 1)
+    stages = [
+        Stage(name, key=partial(_stage_key, cfg, name),
+              run=lambda outputs, continue_partial, name=name: STAGE_FUNCTIONS[name](cfg, outputs, continue_partial))
+        for name in STAGES
+    ]
+    start = time.perf_counter()
+    outputs = run_stages(stages, cfg.out_dir / STAGE_DIR, resume=cfg.resume, echo=echo)
+    outputs["total_seconds"] = round(time.perf_counter() - start, 1)
     return outputs
 
 
@@ -205,17 +156,6 @@ def _stage_key(cfg: QuickstartConfig, stage: str) -> dict[str, Any]:
     if stage == "train":
         return {k: getattr(cfg, k) for k in ("max_length", "train_minutes", "max_epochs", "lr", "micro_batch_size", "eval_fraction")}
     return {"max_new_tokens": cfg.max_new_tokens, "trees": list(cfg.trees)}
-
-
-def _read_marker(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def _threads_for(target) -> int | None:
@@ -245,7 +185,7 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partia
             f"{target.name} ({params / 1e6:.2f}M parameters, {target.num_layers} layers, vocab {target.vocab_size})",
             artifacts=[path] if Path(path).exists() else [],
         )
-    from specgraft.train.demo_target import ensure_demo_target
+    from specgraft.tools.demo_target import ensure_demo_target
 
     demo = ensure_demo_target(cfg.demo, cache_dir=cfg.cache_dir, max_minutes=cfg.demo_minutes, progress=cfg.progress,
                               retrain=cfg.retrain_target)
@@ -274,7 +214,7 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partia
 
 def _demo_prompts(cfg: QuickstartConfig, target_path: str) -> list[str]:
     """Openings of functions and classes in the files the demo target never trained on, in a seeded order."""
-    from specgraft.train.demo_target import TRAINING_FILE, function_openings, stdlib_files
+    from specgraft.tools.demo_target import TRAINING_FILE, function_openings, stdlib_files
 
     info = json.loads((Path(target_path) / TRAINING_FILE).read_text())
     heldout = set(info["corpus"]["heldout_paths"])
@@ -286,7 +226,7 @@ def _demo_prompts(cfg: QuickstartConfig, target_path: str) -> list[str]:
 
 def _sampled_openings(cfg: QuickstartConfig, target, count: int) -> list[str]:
     """Prompts the target writes itself: the start of ``count`` samples from BOS (a seed training never uses)."""
-    from specgraft.train.regenerate import regenerate
+    from specgraft.train import regenerate
 
     if target.tokenizer.bos_token_id is None:
         raise ValueError(
@@ -313,8 +253,8 @@ def _prompt_record(target, index: int, text: str) -> dict:
 def stage_data(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     import torch
 
-    from specgraft.infer.bench import read_prompt_file
-    from specgraft.train.regenerate import regenerate
+    from specgraft.tools.bench import read_prompt_file
+    from specgraft.train import regenerate
 
     target = _load(outputs["target_path"])
     before = torch.get_num_threads()
@@ -391,57 +331,11 @@ def train_config(cfg: QuickstartConfig, outputs: dict[str, Any], *, max_steps: i
     })
 
 
-# A trainer step costs this much more than the bare head step `measure_step_cost` times: reading the
-# features back from the offline cache, rebuilding the target's logits, DeepSpeed's bookkeeping
-# (measured on the demo target: 0.32 s against 0.26 s).
-TRAINER_OVERHEAD = 1.25
-
-
-@dataclass
-class StepCost:
-    """Measured seconds: the target's forward over one micro-batch, and one head training step."""
-
-    target_s: float
-    step_s: float
-
-    def steps_within(self, seconds: float, batches_per_epoch: int) -> int:
-        """Optimizer steps that fit ``seconds`` after one feature-extraction pass over the data."""
-        return max(1, int((seconds - batches_per_epoch * self.target_s) / (self.step_s * TRAINER_OVERHEAD)))
-
-
-def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
-    """Time the target over a micro-batch and a few EAGLE head steps (forward, backward, AdamW) on it."""
-    import torch
-
-    from specgraft.heads import build_head
-    from specgraft.heads.configs import EagleConfig
-    from specgraft.train.data import collate
-    from specgraft.train.features import target_batch
-
-    pad = target.tokenizer.pad_token_id
-    batch = collate(examples[:micro_batch_size], pad_token_id=pad if pad is not None else 0)
-    head = build_head(EagleConfig(), target).train()
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
-    with torch.random.fork_rng():
-        start = time.perf_counter()
-        features = target_batch(target, batch, head.hidden_layers)
-        target_s = time.perf_counter() - start
-        times = []
-        for _ in range(repeats + 1):  # the first step warms up allocators and kernels
-            start = time.perf_counter()
-            loss, _ = head.loss(features)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-    return StepCost(target_s=target_s, step_s=min(times[1:]))
-
-
 def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial: bool = False) -> StageResult:
     import torch
 
-    from specgraft.train.data import TokenizedDataset, load_records, train_eval_split
-    from specgraft.train.pipeline import run_training
+    from specgraft.train import TokenizedDataset, load_records, train_eval_split
+    from specgraft.train import run_training
 
     target = _load(outputs["target_path"])
     threads = _threads_for(target)
@@ -481,7 +375,7 @@ def bench_methods(head_dir: str, trees: tuple[str, ...], target):
     """(name, drafter, tree) per tree, named as `specgraft bench --drafter HEAD_DIR --tree T` names them
     (a training run's ``RUN/head`` is labelled ``RUN``)."""
     from specgraft.heads import load_drafter
-    from specgraft.infer.bench import drafter_label
+    from specgraft.tools.bench import drafter_label
     from specgraft.tree import parse_tree_spec
 
     label = drafter_label(Path(head_dir))
@@ -515,7 +409,7 @@ def stage_bench(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial
 
     from transformers.utils import logging as hf_logging
 
-    from specgraft.infer.bench import read_prompt_file, run_bench
+    from specgraft.tools.bench import read_prompt_file, run_bench
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     before = torch.get_num_threads()
@@ -557,7 +451,7 @@ STAGE_FUNCTIONS: dict[str, Callable[[QuickstartConfig, dict[str, Any], bool], St
 
 def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
     """The table, tau per method, where the report and plots are, and how to reproduce the bench."""
-    from specgraft.infer.bench import PLOTS, results_markdown
+    from specgraft.tools.bench import PLOTS, results_markdown
 
     results = json.loads(Path(outputs["results_file"]).read_text())
     bench_dir = Path(outputs["bench_dir"])
@@ -576,90 +470,6 @@ def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
         f"Plots:  {', '.join(str(bench_dir / p) for p in PLOTS)}",
         f"Head:   {outputs['head_dir']}",
         f"Same benchmark again: {bench_command(cfg, outputs)}",
-        f"Total: {_duration(outputs['total_seconds'])}.",
+        f"Total: {duration(outputs['total_seconds'])}.",
     ]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def add_quickstart_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of ``specgraft quickstart``."""
-    d = QuickstartConfig.__dataclass_fields__
-    parser.add_argument("--target", default=None,
-                        help="any HF causal LM (directory or hub id); default: the embedded demo target, trained "
-                        "on the Python standard library's source and cached under the user cache directory")
-    parser.add_argument("--out", default=str(d["out_dir"].default), help="run directory (stage markers, data, head, report)")
-    parser.add_argument("--resume", action="store_true", help="reuse the stages an earlier run in --out finished")
-    parser.add_argument("--samples", type=int, default=d["samples"].default, help="self-distilled training sequences")
-    parser.add_argument("--train-minutes", type=float, default=d["train_minutes"].default,
-                        help="the head's training budget (becomes a step count from a measured step time)")
-    parser.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"].default, help="tokens per bench prompt")
-    parser.add_argument("--bench-prompts", type=int, default=d["bench_prompts"].default, help="prompts benchmarked")
-    parser.add_argument("--prompts", default=None,
-                        help="with --target: prompts to continue and benchmark (Spec-Bench / MT-bench / HumanEval / "
-                        "GSM8K jsonl, or one per line); default: openings the target samples from BOS")
-    parser.add_argument("--tree", action="append", default=None,
-                        help=f"tree(s) to benchmark the head with (repeatable; default: {' and '.join(d['trees'].default)})")
-    parser.add_argument("--demo-minutes", type=float, default=d["demo_minutes"].default,
-                        help="wall-clock cap on training the demo target (its schedule shrinks to fit; raise it on a "
-                        "busy machine)")
-    parser.add_argument("--retrain-target", action="store_true",
-                        help="train the demo target again even if one is cached (e.g. one cut short by the cap)")
-    parser.add_argument("--cache-dir", default=None, help="where the demo target is cached (default: "
-                        "$XDG_CACHE_HOME/specgraft or ~/.cache/specgraft)")
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
-    return QuickstartConfig(
-        out_dir=Path(args.out), target=args.target, prompts=args.prompts, samples=args.samples,
-        train_minutes=args.train_minutes, max_new_tokens=args.max_new_tokens, bench_prompts=args.bench_prompts,
-        trees=tuple(args.tree) if args.tree else QuickstartConfig.__dataclass_fields__["trees"].default,
-        resume=args.resume, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        demo_minutes=args.demo_minutes, retrain_target=args.retrain_target,
-    )
-
-
-def resume_command(args: argparse.Namespace) -> str:
-    """The command line that resumes this run: the flags given, plus --resume."""
-    defaults = add_quickstart_arguments(argparse.ArgumentParser()).parse_args([])
-    parts = [specgraft_command(), "quickstart"]
-    for name, value in vars(args).items():
-        if not hasattr(defaults, name) or name == "resume" or value == getattr(defaults, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            parts += [flag, str(v)]
-    return shlex.join(parts + ["--resume"])
-
-
-def quickstart_main(args: argparse.Namespace) -> int:
-    """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
-    import torch
-
-    cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU
-    print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
-    out_dir_existed = cfg.out_dir.exists()
-    try:
-        outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))
-    except StageFailed as failure:
-        if not isinstance(failure.cause, (KeyboardInterrupt, ValueError, OSError)):
-            traceback.print_exception(failure.cause, file=sys.stderr)
-        print(f"specgraft quickstart: {failure}", file=sys.stderr)
-        if failure.stage == "target" and cfg.target is not None and isinstance(failure.cause, (OSError, ValueError)):
-            # The given target cannot load: a resume would fail the same way, and nothing was made worth keeping.
-            if not out_dir_existed:
-                shutil.rmtree(cfg.out_dir, ignore_errors=True)
-            print("  check --target: it must be a causal LM directory or a hub id reachable from here", file=sys.stderr)
-            return 1
-        print(f"  finished stages are kept in {cfg.out_dir / STAGE_DIR}; resume with:\n  {resume_command(args)}",
-              file=sys.stderr)
-        return 130 if isinstance(failure.cause, KeyboardInterrupt) else 1
-    print()
-    print(report(cfg, outputs))
-    return 0

@@ -16,11 +16,10 @@ from typing import Any, Callable
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from specgraft.flags import BASELINE_KINDS
-from specgraft.heads.base import Drafter
-from specgraft.infer.generator import SpeculativeGenerator
-from specgraft.infer.stats import GenerationStats, percentile
+from specgraft.heads import Drafter
+from specgraft.infer import GenerationStats, SpeculativeGenerator, percentile
 from specgraft.model import Target, load_model
+from specgraft.specs import BASELINE_KINDS
 from specgraft.tree import TreePolicy
 
 STATS_KEYS = tuple(f.name for f in dataclasses.fields(GenerationStats))

@@ -23,7 +23,6 @@ a difference is listed and makes the command return 1. Writes
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -31,10 +30,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from specgraft.infer.prompts import read_prompt_file
-from specgraft.infer.stats import percentile
+from specgraft.infer import percentile
+from specgraft.tools.prompts import read_prompt_file
+
+if TYPE_CHECKING:
+    import argparse
 
 MODES = ("off", "on")
 REQUEST_TIMEOUT_S = 600.0

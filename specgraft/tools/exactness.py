@@ -126,8 +126,8 @@ def check_exactness(
         generator: a `SpeculativeGenerator` (its target and drafter are checked).
         length: tokens per continuation; top_k ** length outcomes at most.
     """
-    from specgraft.infer.generator import SpeculativeGenerator
-    from specgraft.infer.sampling import SamplingPolicy
+    from specgraft.infer import SpeculativeGenerator
+    from specgraft.infer import SamplingPolicy
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a sampling check, got {temperature}")

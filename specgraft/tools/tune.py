@@ -30,14 +30,15 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specgraft.heads.base import Drafter
-from specgraft.infer.bench import BenchPrompt, engine_runner, run_interleaved
-from specgraft.infer.generator import Decoding
-from specgraft.infer.stopping import StopRule
+from specgraft.heads import Drafter
+from specgraft.infer import Decoding, StopRule
 from specgraft.model import Target
-from specgraft.tree import Chain, Tree, TreeBuilder, TreePolicy, tree_attention_mask, tree_position_ids
-from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
-from specgraft.tree.policies import tree_from_spec
+from specgraft.tools.bench import run_interleaved
+from specgraft.tools.bench_runners import engine_runner
+from specgraft.tools.prompts import BenchPrompt
+from specgraft.tree import (
+    Chain, Tree, TreeBuilder, TreeChoice, TreePolicy, interpolate, size_tree, tree_attention_mask, tree_from_spec, tree_position_ids,
+)
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 PREFIX_TOKENS = 128  # a typical mid-generation cache length for the cost curve

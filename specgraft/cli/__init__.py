@@ -1,42 +1,37 @@
-"""The `specgraft` command line. Nothing imports this module.
+"""The `specgraft` command line: the only module that parses one. Nothing imports it but ``__main__`` entry points.
 
-Only the chosen subcommand's flags are built, and its module is imported when it
-runs: `specgraft --help` and `specgraft generate --help` answer without loading
-torch or transformers.
+Only the chosen subcommand's flags are built (`specgraft.cli.flags`, argparse
+only), and what runs it is imported when it runs: `specgraft --help` and
+`specgraft generate --help` answer without loading torch or transformers.
+Drafter and tree values are parsed by `specgraft.specs` before any model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
+import shlex
+import shutil
 import sys
+import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from specgraft import flags
-from specgraft.flags import DRAFTER_HELP, check_drafter_spec
-from specgraft.threads import parse_threads
+from specgraft.cli import flags
+from specgraft.cli.flags import DEFAULT_CHECK_PROMPTS
+from specgraft.specs import PROMPT_LOOKUP, check_drafter, parse_drafter, parse_tree
 
-DEFAULT_CHECK_PROMPTS = ("Once upon a time", "The weather today is", "def main():")
-TREE_HELP = (
-    "'chain:DEPTH', 'static:FILE.json' (Medusa-style paths of sibling ranks), 'dynamic:TOP_K,DEPTH,BUDGET' "
-    "(EAGLE-2), or a tree file written by `specgraft tune-tree`"
-)
-THREADS_HELP = (
-    "torch CPU threads: 'auto' (default) picks from the model's size and this machine (one thread for models "
-    "under 10M parameters, else one per idle core), or a count"
-)
+
 def _load(args: argparse.Namespace):
     """Target, drafter and tree from the common flags; the tree and drafter are checked before any model loads."""
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
+    from specgraft.tree import policy_from_spec
 
-    tree = sg.parse_tree_spec(args.tree)
-    check_drafter_spec(args.drafter)
+    tree, drafter = policy_from_spec(parse_tree(args.tree)), check_drafter(args.drafter)  # a tree file is read here
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
-    return target, drafter_from_spec(args.drafter, target), tree
+    return target, drafter_from_spec(drafter, target), tree
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -69,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_check_exactness(args: argparse.Namespace) -> int:
     import specgraft as sg
-    from specgraft.infer.exactness import check_exactness
+    from specgraft.tools.exactness import check_exactness
 
     prompts = args.prompt or list(DEFAULT_CHECK_PROMPTS)
     if args.length < 3 and args.drafter != "none":
@@ -112,7 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # every config error surfaces before a model loads
     head_dir = run_training(cfg)
-    print(f"head written to {head_dir}")
+    if os.environ.get("RANK", "0") == "0":  # one line from a launcher's many processes
+        print(f"head written to {head_dir}")
     return 0
 
 
@@ -137,8 +133,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_tune_tree(args: argparse.Namespace) -> int:
-    from specgraft.infer.bench import encode_prompt, read_prompt_file
-    from specgraft.infer.tune import tune
+    from specgraft.tools.prompts import encode_prompt, read_prompt_file
+    from specgraft.tools.tune import tune
 
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
@@ -188,7 +184,7 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
 
 def cmd_search_layer_skip(args: argparse.Namespace) -> int:
     import specgraft as sg
-    from specgraft.infer.bench import encode_prompt, read_prompt_file
+    from specgraft.tools.prompts import encode_prompt, read_prompt_file
 
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
@@ -214,130 +210,156 @@ def cmd_search_layer_skip(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search_layer_skip_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model directory or hub id (Llama-family: the fast path)")
-    p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench / MT-bench jsonl, text, ...)")
-    p.add_argument("--limit", type=int, default=4, help="calibration prompts used")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="target greedy tokens scored per prompt")
-    p.add_argument("--max-skip", type=int, default=None, help="most layers skipped (default: half)")
-    p.add_argument("--min-agreement", type=float, default=0.3, help="stop once top-1 agreement falls below this")
-    p.add_argument("--depth", type=int, default=3, help="deepest chain the speed estimate considers")
-    p.add_argument("--verify-cost", type=float, default=1.0,
-                   help="one verification of up to depth + 1 tokens, in target forwards (measure with tune-tree)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=parse_threads, default="auto", help=THREADS_HELP)
-    p.add_argument("--json", action="store_true", help="print the search path as JSON")
-    p.set_defaults(func=cmd_search_layer_skip)
+def cmd_export(args: argparse.Namespace) -> int:
+    from specgraft.heads import export_head
+
+    out = export_head(args.head_dir, args.fmt, args.out_dir, target=args.target)
+    print(f"exported to {out}; serve it with:\n  " + (out / "README.md").read_text().split("```bash\n")[1].split("\n```")[0])
+    return 0
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model directory or hub id")
-    p.add_argument("--drafter", default="prompt-lookup", help=DRAFTER_HELP + " (default: %(default)s)")
-    p.add_argument("--tree", default="chain:5", help=TREE_HELP + " (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=parse_threads, default="auto", help=THREADS_HELP)
-    p.add_argument("--seed", type=int, default=None)
+def cmd_import_head(args: argparse.Namespace) -> int:
+    from specgraft.heads import import_head
+    from specgraft.model import load_target
+
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    out = import_head(args.src_dir, args.fmt, args.out_dir, target)
+    print(f"imported {args.fmt} head to {out}")
+    return 0
 
 
-def _generate_flags(gen: argparse.ArgumentParser) -> None:
-    _model_flags(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (token-identical to the target)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
-    gen.set_defaults(func=cmd_generate)
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specgraft.tools.bench import bench_main
+
+    return bench_main(args)
 
 
-def _check_exactness_flags(check: argparse.ArgumentParser) -> None:
-    _model_flags(check)
-    check.add_argument("--prompt", action="append", help=f"prompt (repeatable; default: {list(DEFAULT_CHECK_PROMPTS)})")
-    check.add_argument("--samples", type=int, default=2000, help="continuations per prompt and method")
-    check.add_argument("--length", type=int, default=3, help="tokens per continuation")
-    check.add_argument("--top-k", type=int, default=4, help="keeps the top_k ** length outcomes enumerable")
-    check.add_argument("--temperature", type=float, default=1.0)
-    check.add_argument("--json", action="store_true")
-    check.set_defaults(func=cmd_check_exactness)
+def parse_drafter_flags(values: list[str]) -> dict[str, str]:
+    """serve's ``NAME=DRAFTER`` flags -> {name: drafter spec}; names are unique and not reserved, directories exist."""
+    named: dict[str, str] = {}
+    for value in values:
+        name, sep, spec = value.partition("=")
+        if not sep or not name or not spec:
+            raise ValueError(f"--drafter {value!r}: expected NAME=DRAFTER, e.g. eagle=runs/eagle/head")
+        if name in ("none", "auto", PROMPT_LOOKUP) or name in named:
+            raise ValueError(f"--drafter {value!r}: the name {name!r} is reserved or given twice")
+        if parse_drafter(spec) == parse_drafter("none"):
+            raise ValueError(f"--drafter {value!r}: 'none' is always there (speculative off)")
+        try:
+            check_drafter(spec)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--drafter {value!r}: directory {spec!r} does not exist") from None
+        named[name] = spec
+    return named
 
 
-def _config_flags(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.ArgumentParser], None]:
-    def add(cmd: argparse.ArgumentParser) -> None:
-        cmd.add_argument("config", help="YAML training config (see recipes/)")
-        cmd.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.lr=1e-3")
-        cmd.set_defaults(func=func)
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
+    import specgraft as sg
+    from specgraft.heads import drafter_from_spec
+    from specgraft.infer.server import create_app, run_server
+    from specgraft.tree import policy_from_spec
 
-    return add
-
-
-def _tune_tree_flags(tune_p: argparse.ArgumentParser) -> None:
-    _model_flags(tune_p)
-    tune_p.add_argument("--prompts", required=True, help="calibration prompts (Spec-Bench jsonl, text, ...)")
-    tune_p.add_argument("--limit", type=int, default=10, help="calibration prompts used")
-    tune_p.add_argument("--max-new-tokens", type=int, default=64)
-    tune_p.add_argument("--depth", type=int, default=6, help="deepest level considered")
-    tune_p.add_argument("--kind", choices=["dynamic", "static"], default="dynamic",
-                        help="write a DynamicTree budget (EAGLE-2) or a static tree of the best nodes (Sequoia)")
-    tune_p.add_argument("--nodes", type=int, default=None,
-                        help="write the most valuable tree of exactly this many draft nodes instead of the fastest size")
-    tune_p.add_argument("--no-timing", action="store_true",
-                        help="trust the cost model: skip timing the short list of trees on the calibration prompts")
-    tune_p.add_argument("--out", required=True, help="tree spec JSON to write")
-    tune_p.set_defaults(func=cmd_tune_tree)
+    named = parse_drafter_flags(args.drafter)
+    tree = policy_from_spec(parse_tree(args.tree))
+    if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
+        raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
+    app = create_app(
+        target, drafters, default_drafter=args.default_drafter, default_tree=tree,
+        model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue, api_key=args.api_key,
+    )
+    return run_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
 
 
-def _module_flags(module: str, add_arguments: str, run: str) -> Callable[[argparse.ArgumentParser], None]:
-    """Flags of a command whose module brings its own flags and entry point, imported only when it is chosen."""
-
-    def add(cmd: argparse.ArgumentParser) -> None:
-        mod = importlib.import_module(module)
-        getattr(mod, add_arguments)(cmd)
-        cmd.set_defaults(func=getattr(mod, run))
-
-    return add
+# ---------------------------------------------------------------------------- quickstart
 
 
-def _heavy_command(add_arguments: Callable[[argparse.ArgumentParser], Any], module: str, run: str):
-    """Flags from `specgraft.flags` (argparse only); the module that runs the command is imported only to run it."""
+def config_from_args(args: argparse.Namespace):
+    """The `QuickstartConfig` of ``specgraft quickstart``'s flags (bad sizes and missing files fail here)."""
+    from specgraft.tools.quickstart import QuickstartConfig
 
-    def runner(args: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(module), run)(args)
-
-    runner.__name__ = runner.__qualname__ = run  # reads as the entry point it stands for
-
-    def add(cmd: argparse.ArgumentParser) -> None:
-        add_arguments(cmd)
-        cmd.set_defaults(func=runner)
-
-    return add
+    return QuickstartConfig(
+        out_dir=Path(args.out), target=args.target, prompts=args.prompts, samples=args.samples,
+        train_minutes=args.train_minutes, max_new_tokens=args.max_new_tokens, bench_prompts=args.bench_prompts,
+        trees=tuple(args.tree) if args.tree else QuickstartConfig.__dataclass_fields__["trees"].default,
+        resume=args.resume, cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        demo_minutes=args.demo_minutes, retrain_target=args.retrain_target,
+    )
 
 
-# name -> (help, adds the command's flags and sets its func)
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
-    "generate": ("generate text with a target and a drafter", _generate_flags),
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes this run: the flags given, plus --resume."""
+    from specgraft.tools.quickstart import specgraft_command
+
+    defaults = flags.add_quickstart_arguments(argparse.ArgumentParser()).parse_args([])
+    parts = [specgraft_command(), "quickstart"]
+    for name, value in vars(args).items():
+        if not hasattr(defaults, name) or name == "resume" or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            parts += [flag, str(v)]
+    return shlex.join(parts + ["--resume"])
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
+    import torch
+
+    from specgraft.tools.quickstart import STAGE_DIR, report, run_quickstart
+    from specgraft.tools.stages import StageFailed
+
+    cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU
+    print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
+    out_dir_existed = cfg.out_dir.exists()
+    try:
+        outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))
+    except StageFailed as failure:
+        if not isinstance(failure.cause, (KeyboardInterrupt, ValueError, OSError)):
+            traceback.print_exception(failure.cause, file=sys.stderr)
+        print(f"specgraft quickstart: {failure}", file=sys.stderr)
+        if failure.stage == "target" and cfg.target is not None and isinstance(failure.cause, (OSError, ValueError)):
+            # The given target cannot load: a resume would fail the same way, and nothing was made worth keeping.
+            if not out_dir_existed:
+                shutil.rmtree(cfg.out_dir, ignore_errors=True)
+            print("  check --target: it must be a causal LM directory or a hub id reachable from here", file=sys.stderr)
+            return 1
+        print(f"  finished stages are kept in {cfg.out_dir / STAGE_DIR}; resume with:\n  {resume_command(args)}",
+              file=sys.stderr)
+        return 130 if isinstance(failure.cause, KeyboardInterrupt) else 1
+    print()
+    print(report(cfg, outputs))
+    return 0
+
+
+# name -> (help, adds the command's flags, runs it)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object], Callable[[argparse.Namespace], int]]] = {
+    "generate": ("generate text with a target and a drafter", flags.add_generate_arguments, cmd_generate),
     "check-exactness": ("test statistically that speculative sampling follows the target's distribution",
-                        _check_exactness_flags),
+                        flags.add_check_exactness_arguments, cmd_check_exactness),
     "train": ("train a draft head (one process; use deepspeed --module specgraft.train for many)",
-              _config_flags(cmd_train)),
-    "regenerate": ("self-distillation only: the target writes the config's training data", _config_flags(cmd_regenerate)),
+              flags.add_config_arguments, cmd_train),
+    "regenerate": ("self-distillation only: the target writes the config's training data",
+                   flags.add_config_arguments, cmd_regenerate),
     "extract-features": ("write the hidden states the head needs as sharded safetensors",
-                         _config_flags(cmd_extract_features)),
-    "tune-tree": ("measure this device and drafter, and size the tree for speed", _tune_tree_flags),
+                         flags.add_config_arguments, cmd_extract_features),
+    "tune-tree": ("measure this device and drafter, and size the tree for speed", flags.add_tune_tree_arguments,
+                  cmd_tune_tree),
     "search-layer-skip": ("pick the layers a self-speculative layer-skip draft leaves out, on calibration prompts",
-                          _search_layer_skip_flags),
+                          flags.add_search_layer_skip_arguments, cmd_search_layer_skip),
     "quickstart": ("offline end-to-end demo: demo target, self-distilled data, a trained head, a benchmark",
-                   _module_flags("specgraft.quickstart", "add_quickstart_arguments", "quickstart_main")),
-    "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format",
-               _heavy_command(flags.add_export_arguments, "specgraft.heads.export", "export_main")),
-    "import-head": ("read an official EAGLE, EAGLE-3 or Medusa checkpoint",
-                    _heavy_command(flags.add_import_arguments, "specgraft.heads.import_head", "import_main")),
-    "bench": ("benchmark drafters and trees against baselines in one interleaved run",
-              _heavy_command(flags.add_bench_arguments, "specgraft.infer.bench", "bench_main")),
-    "serve": ("an OpenAI-compatible server with continuous batching",
-              _heavy_command(flags.add_serve_arguments, "specgraft.infer.server", "serve_main")),
+                   flags.add_quickstart_arguments, cmd_quickstart),
+    "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format", flags.add_export_arguments, cmd_export),
+    "import-head": ("read an official EAGLE, EAGLE-3 or Medusa checkpoint", flags.add_import_arguments, cmd_import_head),
+    "bench": ("benchmark drafters and trees against baselines in one interleaved run", flags.add_bench_arguments,
+              cmd_bench),
+    "serve": ("an OpenAI-compatible server with continuous batching", flags.add_serve_arguments, cmd_serve),
 }
 
 
@@ -345,10 +367,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand with its help line; the flags of ``command`` only (of all of them when None)."""
     parser = argparse.ArgumentParser(prog="specgraft", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (text, add_flags) in COMMANDS.items():
+    for name, (text, add_flags, run) in COMMANDS.items():
         cmd = sub.add_parser(name, help=text, description=text)
         if command is None or command == name:
             add_flags(cmd)
+            cmd.set_defaults(func=run)
     return parser
 
 

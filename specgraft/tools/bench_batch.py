@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from specgraft.heads.base import Drafter
-from specgraft.infer.generator import SpeculativeGenerator
-from specgraft.infer.stats import percentile
+from specgraft.heads import Drafter
+from specgraft.infer import SpeculativeGenerator, percentile
 from specgraft.model import Target
 from specgraft.tree import TreePolicy
 
