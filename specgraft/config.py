@@ -19,16 +19,17 @@ scalar or flow collection (``training.betas=[0.9,0.95]``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from specgraft.heads.configs import HeadConfig
-from specgraft.tree import parse_tree_spec
+from specgraft.specs import parse_tree, tree_file
 
 # A data source with one of these endings is a local file, not a hub dataset name.
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".gz", ".parquet", ".csv", ".arrow")
@@ -150,6 +151,7 @@ class TrainConfig(_Section):
     tree: str = "chain:5"  # chain:DEPTH, static:FILE.json, dynamic:TOP_K,DEPTH,BUDGET: for the tau evaluation
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    _source: str | None = PrivateAttr(None)  # the YAML file it was read from, for error messages
 
     @model_validator(mode="after")
     def _compatible(self) -> "TrainConfig":
@@ -181,8 +183,8 @@ class TrainConfig(_Section):
                 "set eval.prompts or data.eval_fraction > 0 (or training.eval_every=0)"
             )
         try:
-            parse_tree_spec(self.tree)  # the one parser of tree specs; also checks that a tree file exists
-        except (ValueError, FileNotFoundError) as err:
+            parse_tree(self.tree)  # the one grammar of tree specs; `check_files` looks for a tree file
+        except ValueError as err:
             raise ValueError(f"tree={self.tree!r}: {err}") from None
         return self
 
@@ -191,10 +193,13 @@ class TrainConfig(_Section):
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML config, apply ``section.key=value`` overrides, validate, and check local files exist.
+    """Read a YAML config, apply ``section.key=value`` overrides, validate keys and types, make local paths absolute.
+
+    The files the config names need not exist yet (a recipe's target may be materialized later, its data
+    regenerated): `check_files` looks for them, and `specgraft train` / ``regenerate`` run it first.
 
     Raises:
-        FileNotFoundError: the config file, or a local data / prompts / checkpoint file it names, is missing.
+        FileNotFoundError: the config file is missing.
         ConfigError: invalid YAML, a malformed override, an unknown key, a wrong type, or
             incompatible options; the message names the file, the dotted key and the value.
     """
@@ -220,7 +225,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
         head = raw.get("head")
         head_type = head.get("type") if isinstance(head, dict) else None
         raise ConfigError(_describe(err, path, text, overridden, head_type)) from None
-    _check_files(cfg, path)
+    _absolute_paths(cfg)
+    cfg._source = str(path)
     return cfg
 
 
@@ -306,44 +312,77 @@ def _is_local_data(source: str) -> bool:
     )
 
 
-def _check_files(cfg: TrainConfig, config_path: Path) -> None:
-    """Make local paths absolute and require the ones read at start-up to exist, naming key and file."""
-
-    def must_exist(key: str, value: str, kind: str = "file") -> str:
-        resolved = Path(value).expanduser().resolve()
-        ok = resolved.is_dir() if kind == "directory" else resolved.exists()
-        if not ok:
-            raise FileNotFoundError(
-                f"{config_path}: {key}={value!r}: {kind} {resolved} does not exist "
-                "(relative paths resolve against the working directory)"
-            )
-        return str(resolved)
-
+def _absolute_paths(cfg: TrainConfig) -> None:
+    """Resolve every local path against the working directory, so nothing later depends on it."""
     target = cfg.target.path
-    if target.startswith((".", "/", "~")) or target.count("/") > 1 or Path(target).exists():
-        cfg.target.path = must_exist("target.path", target, "directory")
+    if _is_local_path(target):
+        cfg.target.path = _absolute(target)
     if cfg.data.train is not None and _is_local_data(cfg.data.train):
-        cfg.data.train = must_exist("data.train", cfg.data.train)
+        cfg.data.train = _absolute(cfg.data.train)
     regen = cfg.data.regenerate
     if regen is not None:
         if regen.prompts is not None:
-            regen.prompts = must_exist("data.regenerate.prompts", regen.prompts)
+            regen.prompts = _absolute(regen.prompts)
         regen.output = _absolute(regen.output)
     if cfg.eval.prompts is not None:
-        cfg.eval.prompts = must_exist("eval.prompts", cfg.eval.prompts)
-    if cfg.tree.startswith("static:"):
-        cfg.tree = "static:" + must_exist("tree", cfg.tree.partition(":")[2])
+        cfg.eval.prompts = _absolute(cfg.eval.prompts)
+    spec = parse_tree(cfg.tree)
+    if tree_file(spec) is not None:
+        cfg.tree = str(dataclasses.replace(spec, path=_absolute(spec.path)))
     training = cfg.training
     training.output_dir = _absolute(training.output_dir)
-    if training.deepspeed_config is not None:
-        training.deepspeed_config = must_exist("training.deepspeed_config", training.deepspeed_config)
-        _read_json(training.deepspeed_config, "training.deepspeed_config")
-    if training.features_dir is not None:
-        training.features_dir = _absolute(training.features_dir)
+    for key in ("deepspeed_config", "features_dir"):
+        if getattr(training, key) is not None:
+            setattr(training, key, _absolute(getattr(training, key)))
     if training.resume not in ("auto", "never"):
-        training.resume = must_exist("training.resume", training.resume, "directory")
+        training.resume = _absolute(training.resume)
     if cfg.tracking.dir is not None:
         cfg.tracking.dir = _absolute(cfg.tracking.dir)
+
+
+def _is_local_path(target: str) -> bool:
+    """A target directory rather than a hub id (``org/name``)."""
+    return target.startswith((".", "/", "~")) or target.count("/") > 1 or Path(target).exists()
+
+
+def check_files(cfg: TrainConfig) -> None:
+    """Require the local files and directories a run reads at start-up to exist, naming the key and the file.
+
+    `load_config` validates without them; the commands that run a config (train, regenerate,
+    extract-features) call this first, so a typo fails before any model loads.
+
+    Raises:
+        FileNotFoundError: the target directory, data, prompts, tree file, DeepSpeed JSON or resume checkpoint.
+        ConfigError: the DeepSpeed JSON is not a JSON object.
+    """
+    where = cfg._source or "config"
+
+    def must_exist(key: str, value: str, kind: str = "file") -> None:
+        path = Path(value)
+        if not (path.is_dir() if kind == "directory" else path.exists()):
+            raise FileNotFoundError(
+                f"{where}: {key}={value!r}: {kind} {path} does not exist "
+                "(relative paths resolve against the working directory)"
+            )
+
+    if _is_local_path(cfg.target.path):
+        must_exist("target.path", cfg.target.path, "directory")
+    regen = cfg.data.regenerate
+    if cfg.data.train is not None and _is_local_data(cfg.data.train):
+        must_exist("data.train", cfg.data.train)
+    if regen is not None and regen.prompts is not None:
+        must_exist("data.regenerate.prompts", regen.prompts)
+    if cfg.eval.prompts is not None:
+        must_exist("eval.prompts", cfg.eval.prompts)
+    tree = tree_file(parse_tree(cfg.tree))
+    if tree is not None:
+        must_exist("tree", tree)
+    training = cfg.training
+    if training.deepspeed_config is not None:
+        must_exist("training.deepspeed_config", training.deepspeed_config)
+        _read_json(training.deepspeed_config, "training.deepspeed_config")
+    if training.resume not in ("auto", "never"):
+        must_exist("training.resume", training.resume, "directory")
 
 
 def _read_json(path: str, key: str) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specgraft.config import ConfigError, load_config, to_deepspeed_config
+from specgraft.config import ConfigError, check_files, load_config, to_deepspeed_config
 from specgraft.heads.configs import EagleConfig, MedusaConfig
 
 
@@ -97,8 +97,10 @@ def test_relative_paths_resolve_against_the_working_directory(tmp_path, files, m
     assert cfg.data.train == str(work / "mine.jsonl")
     assert cfg.training.features_dir == str(work / "cache")
 
+    cfg = load_config(write(config_dir, minimal(files, data={"train": "beside.jsonl"})))
+    assert cfg.data.train == str(work / "beside.jsonl")  # not the file beside the config
     with pytest.raises(FileNotFoundError, match="working directory"):
-        load_config(write(config_dir, minimal(files, data={"train": "beside.jsonl"})))
+        check_files(cfg)
 
 
 # ---------------------------------------------------------------------------- what fails, and how it says so
@@ -185,26 +187,30 @@ def test_missing_config_file(tmp_path):
 
 def test_missing_data_file_names_key_and_path(tmp_path, files):
     raw = minimal(files, data={"train": str(tmp_path / "absent.jsonl")})
+    cfg = load_config(write(tmp_path, raw))  # validation needs no file; running the config does
     with pytest.raises(FileNotFoundError, match=r"data\.train=.*absent\.jsonl"):
-        load_config(write(tmp_path, raw))
+        check_files(cfg)
 
 
 def test_missing_eval_prompts_file(tmp_path, files):
     raw = minimal(files, eval={"prompts": "no_such_prompts.jsonl"})
+    cfg = load_config(write(tmp_path, raw))  # validation needs no file; running the config does
     with pytest.raises(FileNotFoundError, match=r"eval\.prompts=.*no_such_prompts\.jsonl"):
-        load_config(write(tmp_path, raw))
+        check_files(cfg)
 
 
 def test_missing_target_directory(tmp_path, files):
     raw = minimal(files, target={"path": str(tmp_path / "no_model")})
+    cfg = load_config(write(tmp_path, raw))  # validation needs no file; running the config does
     with pytest.raises(FileNotFoundError, match=r"target\.path=.*no_model"):
-        load_config(write(tmp_path, raw))
+        check_files(cfg)
 
 
 def test_resume_from_a_missing_checkpoint(tmp_path, files):
     raw = minimal(files, training={"resume": str(tmp_path / "runs" / "step_00000100")})
+    cfg = load_config(write(tmp_path, raw))  # validation needs no file; running the config does
     with pytest.raises(FileNotFoundError, match=r"training\.resume=.*step_00000100"):
-        load_config(write(tmp_path, raw))
+        check_files(cfg)
 
 
 def test_eval_every_without_anything_to_evaluate_names_both_keys(tmp_path, files):
@@ -286,5 +292,24 @@ def test_invalid_deepspeed_json_names_key_and_line(tmp_path, files):
     override = tmp_path / "ds.json"
     override.write_text('{\n  "zero_optimization": {"stage": 1,}\n}\n')
     raw = minimal(files, training={"deepspeed_config": str(override)})
+    cfg = load_config(write(tmp_path, raw))  # the JSON is read with the other files the config names
     with pytest.raises(ConfigError, match=r"training\.deepspeed_config: .*ds\.json:2 is not valid JSON"):
-        load_config(write(tmp_path, raw))
+        check_files(cfg)
+
+
+def test_a_missing_tree_file_is_found_by_check_files(tmp_path, files):
+    cfg = load_config(write(tmp_path, minimal(files, tree="static:absent.json")))
+    assert cfg.tree == f"static:{Path('absent.json').resolve()}"
+    with pytest.raises(FileNotFoundError, match=r"tree=.*absent\.json"):
+        check_files(cfg)
+
+
+@pytest.mark.parametrize("entry", ["run_training", "run_regeneration", "run_feature_extraction"])
+def test_running_a_config_checks_its_files_before_anything_loads(tmp_path, files, entry):
+    import specgraft.train as train
+
+    raw = minimal(files, target={"path": str(tmp_path / "no_model")},
+                  data={"regenerate": {"output": str(tmp_path / "out.jsonl"), "num_from_bos": 1}})
+    cfg = load_config(write(tmp_path, raw))
+    with pytest.raises(FileNotFoundError, match=r"config\.yaml: target\.path=.*no_model"):
+        getattr(train, entry)(cfg)

@@ -26,7 +26,8 @@ from specgraft.heads import build_head
 from specgraft.heads.configs import Eagle3Config, EagleConfig
 from specgraft.model import Target
 from specgraft.train.data import collate
-from specgraft.train.features import FeatureCache, estimate_bytes, extract_features, features_dir, target_batch
+from specgraft.train.feature_cache import FeatureCache, estimate_bytes, extract_features, features_dir
+from specgraft.train.features import target_batch
 from specgraft.train.pipeline import run_feature_extraction, run_training
 
 LAYERS = (2,)  # read by the head; the cache also stores the final layer 5 (stories260K has 5 layers)

@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from toy_train import ToyHead, collate, greedy_examples
 
 from specgraft.config import load_config
-from specgraft.train.features import FeatureCache, extract_features, target_batch
+from specgraft.train.feature_cache import FeatureCache, extract_features
+from specgraft.train.features import target_batch
 from specgraft.train.trainer import Trainer, latest_checkpoint, lr_factor
 
 TOY_TRAIN = Path(__file__).with_name("toy_train.py")

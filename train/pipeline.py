@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from specgraft.config import TrainConfig
+from specgraft.config import TrainConfig, check_files
 from specgraft.model import Target, load_target
 from specgraft.train.trainer import DistEnv, Trainer, init_distributed, shutdown_distributed
 
@@ -28,6 +28,7 @@ def run_training(cfg: TrainConfig) -> Path:
     from specgraft.heads import build_head
     from specgraft.train import data as data_lib
 
+    check_files(cfg)
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     env = init_distributed()
@@ -65,8 +66,9 @@ def run_feature_extraction(cfg: TrainConfig) -> Path:
     (resuming an interrupted cache). Returns the cache directory (``training.features_dir``).
     """
     from specgraft.heads import build_head
-    from specgraft.train.features import extract_features, features_dir
+    from specgraft.train.feature_cache import extract_features, features_dir
 
+    check_files(cfg)
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     env = init_distributed()
@@ -118,6 +120,7 @@ def run_regeneration(cfg: TrainConfig) -> str:
     """``specgraft regenerate CONFIG``: only the self-distillation step of a training config."""
     if cfg.data.regenerate is None:
         raise ValueError("the config has no data.regenerate section: nothing to regenerate")
+    check_files(cfg)
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     target = load_target(
@@ -141,7 +144,7 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
     from specgraft.train import data as data_lib
     from specgraft.train.evaluate import read_prompts
     from specgraft.train.heldout import HeldOut
-    from specgraft.train.regenerate import regenerate
+    from specgraft.train.regeneration import regenerate
 
     regen = cfg.data.regenerate
     if is_main:

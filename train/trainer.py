@@ -53,7 +53,8 @@ from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
 from specgraft.heads.base import TrainableHead
 from specgraft.heads.checkpoint import save_head
 from specgraft.model import Target
-from specgraft.train.features import FeatureCache, extract_features, features_dir, target_batch
+from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
+from specgraft.train.features import target_batch
 
 log = logging.getLogger(__name__)
 
