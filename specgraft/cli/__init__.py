@@ -308,14 +308,11 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
-    import torch
-
     from specgraft.tools.quickstart import STAGE_DIR, report, run_quickstart
     from specgraft.tools.stages import StageFailed
 
     cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would warn that it fell back to the CPU
+    _deepspeed_on_cpu_quietly()
     print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
     out_dir_existed = cfg.out_dir.exists()
     try:
