@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STORIES, needs_shared
+import specgraft as sg
 from specgraft.cli import COMMANDS, build_parser, main
 
 SPECGRAFT = Path(sys.executable).parent / "specgraft"
@@ -118,3 +120,81 @@ def test_tree_file_errors_name_the_file(tmp_path, text, message):
     with pytest.raises(ValueError) as err:
         sg.parse_tree_spec(str(tree))
     assert str(err.value).startswith(f"tree file {tree}: {message}")
+
+
+@pytest.mark.parametrize(("plain_p", "speculative_p", "verdict"), [
+    (0.5, 0.5, "PASS: speculative sampling matches"),
+    (0.5, 1e-4, "FAIL: speculative sampling does NOT match"),
+    (1e-4, 0.5, "FAIL: plain sampling itself failed the test"),
+])
+def test_check_exactness_states_its_rule_and_exits_non_zero_on_any_failure(monkeypatch, capsys, plain_p, speculative_p,
+                                                                          verdict):
+    import specgraft
+    import specgraft.cli as cli
+    from specgraft.tools import exactness
+
+    def report(p: float) -> exactness.Fit:
+        return exactness.Fit(p_value=p, tv=0.01, tv_bound=0.05, n=100)
+
+    reports = [exactness.PromptReport("Once", 4, report(plain_p), report(speculative_p), 1.5)]
+    monkeypatch.setattr(cli, "_load", lambda args: (None, None, None))  # no model: the reports are given
+    monkeypatch.setattr(specgraft, "SpeculativeGenerator", lambda *a, **k: None)
+    monkeypatch.setattr(exactness, "check_exactness", lambda *a, **k: reports)
+    code = main(["check-exactness", "--target", "t", "--prompt", "Once"])
+    out = capsys.readouterr().out
+    assert code == (0 if verdict.startswith("PASS") else 1)
+    assert verdict in out
+    assert "p-value is at most 0.001" in out and "'plain' is the target sampling alone" in out
+    assert "fails any of these 2 tests with probability at most 0.004" in out
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_generate_chat_sends_the_prompt_in_the_chat_template(stories, monkeypatch, capsys):
+    import specgraft.cli as cli
+    from specgraft.tools.prompts import encode_prompt
+
+    monkeypatch.setattr(stories.tokenizer, "chat_template", CHATML, raising=False)
+    monkeypatch.setattr(cli, "_load", lambda args: (stories, None, None))
+    assert main(["generate", "--target", "t", "--drafter", "none", "--prompt", "Hi", "--chat", "--json",
+                 "--max-new-tokens", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = sg.SpeculativeGenerator(stories, None).generate(encode_prompt(stories, "Hi"), max_new_tokens=4)
+    assert out["token_ids"] == expected.token_ids
+    assert encode_prompt(stories, "Hi") != stories.encode("Hi")  # the template was applied
+    assert main(["generate", "--target", "t", "--drafter", "none", "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "is a chat model and --prompt goes to it as raw text; --chat sends it" in capsys.readouterr().err
+
+
+def test_generate_chat_without_a_template_is_refused(stories, monkeypatch, capsys):
+    import specgraft.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: (stories, None, None))
+    assert main(["generate", "--target", "t", "--prompt", "Hi", "--chat"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
+def test_generate_says_when_the_output_is_only_end_of_sequence(stories, monkeypatch, capsys):
+    import specgraft.cli as cli
+    from specgraft.model import Target
+
+    first = sg.SpeculativeGenerator(stories, None).generate("Once upon a time", max_new_tokens=1).token_ids[0]
+    monkeypatch.setattr(Target, "eos_token_ids", property(lambda self: (first,)))
+    monkeypatch.setattr(cli, "_load", lambda args: (stories, None, None))
+    assert main(["generate", "--target", "t", "--drafter", "none", "--prompt", "Once upon a time"]) == 0
+    err = capsys.readouterr().err
+    assert f"the output is only the end-of-sequence token [{first}]" in err
+
+
+def test_generate_reports_its_threads(stories, monkeypatch, capsys):
+    import specgraft
+    from specgraft.threads import ThreadChoice
+
+    monkeypatch.setattr(specgraft, "load_target", lambda *a, **k: stories)
+    monkeypatch.setattr(stories, "threads", ThreadChoice(1, "auto: a test"))
+    assert main(["generate", "--target", "t", "--drafter", "none", "--prompt", "Once", "--max-new-tokens", "2"]) == 0
+    assert "threads: 1 (auto: a test)" in capsys.readouterr().err

@@ -36,35 +36,50 @@ def _load(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import specgraft as sg
+    from specgraft.tools.prompts import encode_prompt
 
     if not args.prompt:
         raise ValueError("--prompt is empty")
     target, drafter, tree = _load(args)
+    if target.threads is not None:
+        print(f"threads: {target.threads.threads or 'unchanged'} ({target.threads.why})", file=sys.stderr)
+    has_template = bool(getattr(target.tokenizer, "chat_template", None))
+    if args.chat and not has_template:
+        raise ValueError(f"--chat: target {target.name!r} has no chat template; give the prompt as plain text")
+    if has_template and not args.chat:
+        print(f"note: {target.name} is a chat model and --prompt goes to it as raw text; --chat sends it as a "
+              "user turn in the model's chat template", file=sys.stderr)
+    prompt = encode_prompt(target, args.prompt) if args.chat else args.prompt
     gen = sg.SpeculativeGenerator(target, drafter, tree=tree)
     options = dict(
         max_new_tokens=args.max_new_tokens, stop=args.stop or None, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
     )
     if args.json:
-        out = gen.generate(args.prompt, **options)
+        out = gen.generate(prompt, **options)
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "stats": out.stats.to_dict()}, indent=2))
-        return 0
-    stats = None
-    for chunk in gen.stream(args.prompt, **options):
-        print(chunk.text, end="", flush=True)
-        stats = chunk.stats or stats
-    print()
-    print(
-        f"[{stats.new_tokens} tokens, {stats.target_calls} target calls, "
-        f"mean accepted length {stats.mean_accepted_length:.2f}, {stats.tokens_per_s:.1f} tokens/s]",
-        file=sys.stderr,
-    )
+        stats, ids = out.stats, out.token_ids
+    else:
+        stats, ids = None, []
+        for chunk in gen.stream(prompt, **options):
+            print(chunk.text, end="", flush=True)
+            stats, ids = chunk.stats or stats, ids + list(chunk.token_ids)
+        print()
+        print(
+            f"[{stats.new_tokens} tokens, {stats.target_calls} target calls, "
+            f"mean accepted length {stats.mean_accepted_length:.2f}, {stats.tokens_per_s:.1f} tokens/s]",
+            file=sys.stderr,
+        )
+    if ids and all(i in target.eos_token_ids for i in ids):
+        hint = "" if args.chat or not has_template else "; a chat model given raw text often does this: try --chat"
+        print(f"the output is only the end-of-sequence token {ids}: the target chose to stop at once{hint}",
+              file=sys.stderr)
     return 0
 
 
 def cmd_check_exactness(args: argparse.Namespace) -> int:
     import specgraft as sg
-    from specgraft.tools.exactness import check_exactness
+    from specgraft.tools.exactness import check_exactness, rule
 
     prompts = args.prompt or list(DEFAULT_CHECK_PROMPTS)
     if args.length < 3 and args.drafter != "none":
@@ -86,9 +101,16 @@ def cmd_check_exactness(args: argparse.Namespace) -> int:
         print(f"{verdict}  {r.prompt[:40]!r:44s} outcomes={r.outcomes:4d}  plain: {r.plain}  speculative: {r.speculative}  tau={r.mean_accepted_length:.2f}")
         rows.append({"prompt": r.prompt, "passed": r.passed, "plain": vars(r.plain), "speculative": vars(r.speculative), "mean_accepted_length": r.mean_accepted_length})
     passed = all(r.passed for r in reports)
-    print(f"{'PASS' if passed else 'FAIL'}: speculative sampling {'matches' if passed else 'does NOT match'} the target's distribution on {len(reports)} prompts")
+    calibrated = all(r.plain.passed for r in reports)
+    print(rule(2 * len(reports)))
+    if not calibrated:
+        print("FAIL: plain sampling itself failed the test: the enumeration or the sample size is off, so the "
+              "speculative verdict says nothing; rerun with another --seed or more --samples")
+    else:
+        print(f"{'PASS' if passed else 'FAIL'}: speculative sampling {'matches' if passed else 'does NOT match'} "
+              f"the target's distribution on {len(reports)} prompts")
     if args.json:
-        print(json.dumps({"passed": passed, "prompts": rows}, indent=2))
+        print(json.dumps({"passed": passed, "calibrated": calibrated, "prompts": rows}, indent=2))
     return 0 if passed else 1
 
 

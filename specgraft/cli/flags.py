@@ -140,6 +140,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """The flags of ``specgraft generate``."""
     add_model_arguments(parser)
     parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as a user turn in the target's chat template (chat models)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (token-identical to the target)")
     parser.add_argument("--top-k", type=int, default=0)

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
 from specgraft.model.fast_llama import FastLlama, unsupported_reason
-from specgraft.threads import apply_threads, choose_threads
+from specgraft.threads import ThreadChoice, apply_threads, choose_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Attention backends that honour an arbitrary 4D additive mask. flash_attention_2
@@ -123,6 +123,7 @@ class Target:
         self.config = model.config
         self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
         self.fast = _fast_path(model, fast)
+        self.threads: ThreadChoice | None = None  # what `load_target` set torch's CPU threads to, and why
         # HF's forward is called with the cache under the keyword it takes; the fast path needs none.
         self.cache_keyword = cache_keyword(type(model)) if self.fast is None else None
 
@@ -397,7 +398,7 @@ def load_target(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
         fast=fast, gguf_file=gguf_file,
     )
-    apply_threads(target.model, threads)
+    target.threads = apply_threads(target.model, threads)
     return target
 
 

@@ -48,7 +48,6 @@ from specgraft.model import Target
 from specgraft.specs import (
     DirectorySpec, DrafterSpec, NoDrafter, StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
 )
-from specgraft.threads import apply_threads
 from specgraft.tools.bench_report import PLOTS, results_markdown, write_results
 from specgraft.tools.bench_runners import (
     HF_PLD_NUM_TOKENS, STATS_KEYS, Runner, baseline_runner, drafter_label, engine_runner, parse_baseline,
@@ -555,7 +554,7 @@ def bench_main(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
-    choice = apply_threads(target.model, args.threads)  # the same choice again, for its reason in the report
+    choice = target.threads
     print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
     methods = _methods(args, trees, target)
     if batch_sizes:

@@ -96,6 +96,20 @@ def enumerate_continuations(target, prompt_ids: Sequence[int], length: int, poli
     return dist
 
 
+def rule(tests: int) -> str:
+    """What each line's figures test and when one fails, with the chance that an exact sampler fails anyway."""
+    per_test = P_VALUE_FLOOR + DELTA  # the chi-square floor or the TV bound, each crossed with at most this chance
+    return (
+        "Each prompt's continuations are sampled twice and compared with the exact distribution enumerated from "
+        "the target: 'plain' is the target sampling alone (a calibration of the test itself: it fails only by "
+        "chance, or if the enumeration is wrong), 'speculative' is the drafter and tree under test. A sample set "
+        f"fails when its chi-square p-value is at most {P_VALUE_FLOOR:g} or its total variation exceeds the bound an "
+        f"exact sampler stays under with probability {1 - DELTA:g}. A p-value above {P_VALUE_FLOOR:g} is a pass, "
+        f"however small. By the union bound, an exact sampler fails any of these {tests} tests with probability at "
+        f"most {min(1.0, tests * per_test):.3g}."
+    )
+
+
 @dataclass
 class PromptReport:
     prompt: str
