@@ -379,12 +379,16 @@ async def whole(state: ServerState, request: Request, reply: Reply, event, max_t
 
 
 async def stream(state: ServerState, reply: Reply, event, max_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per step that released text, a last chunk with the finish reason and stats.
+    """Server-sent events: a chunk per step that released text, a chunk with the finish reason, then (with
+    ``include_usage``) the usage chunk; ``speculative_stats`` rides on the last of them.
 
     When the client goes away, Starlette stops this generator: ``finally``
-    cancels the job, and the engine frees its rows before its next step.
+    cancels the job, and the engine frees its rows before its next step. Whether the job ended is what this
+    generator saw (a Finished or Failed event), not ``job.ended``: the engine thread posts the last event
+    before it marks the job ended, so a stream read to its end could otherwise be counted as a disconnect.
     """
     job = reply.job
+    ended = False
     try:
         if reply.chat:
             yield sse(chunk(state, reply, {"role": "assistant", "content": ""}, None))
@@ -394,21 +398,26 @@ async def stream(state: ServerState, reply: Reply, event, max_tokens: int, inclu
             if delta or reply.token_ids:
                 yield sse(chunk(state, reply, delta, None, event.token_ids))
             event = await job.events.get()
+        ended = True
         if isinstance(event, Failed):  # the status line is sent already: report in the stream, as vLLM does
             state.metrics.requests.labels(str(event.status)).inc()
             yield sse(error_body(event.message, kind="server_error", code=event.status))
             yield "data: [DONE]\n\n"
             return
-        reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
-        last = chunk(state, reply, reply.text.finish(), reason)
-        last["speculative_stats"] = speculative_stats(job, event.stats)
-        yield sse(last)
-        if include_usage:
-            yield sse({**chunk(state, reply, "", None), "choices": [], "usage": usage(reply)})
-        yield "data: [DONE]\n\n"
+        # Counted before the last chunks go out: a client that closes as soon as it reads [DONE] stops this
+        # generator at that yield, and its request still succeeded.
         state.metrics.requests.labels("200").inc()
+        reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
+        finish = chunk(state, reply, reply.text.finish(), reason)
+        stats = {"speculative_stats": speculative_stats(job, event.stats)}  # on the last chunk, whichever it is
+        if include_usage:
+            yield sse(finish)
+            yield sse({**chunk(state, reply, "", None), "choices": [], "usage": usage(reply), **stats})
+        else:
+            yield sse({**finish, **stats})
+        yield "data: [DONE]\n\n"
     finally:
-        if not job.ended:
+        if not ended:
             state.engine.cancel(job)
             state.metrics.requests.labels("499").inc()
 

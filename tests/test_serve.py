@@ -88,8 +88,13 @@ def test_streamed_completion_equals_offline_greedy(client, plain, dev_prompts, d
     assert tokens == offline.token_ids
     assert "".join(choice.text for c in chunks for choice in c.choices) == offline.text
     assert chunks[-1].usage.completion_tokens == len(offline.token_ids)
-    stats = chunks[-2].speculative_stats
+    stats = chunks[-1].speculative_stats  # the last chunk carries them, as the README says
     assert stats["drafter"] == drafter and chunks[-2].choices[0].finish_reason in ("length", "stop")
+    without_usage = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True, extra_body=spec(drafter),
+    ))
+    assert without_usage[-1].speculative_stats == stats  # greedy: the same steps, the same stats
+    assert without_usage[-1].choices[0].finish_reason in ("length", "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -419,3 +424,25 @@ def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Hi\n")
     assert main(["bench", "--server", "http://127.0.0.1:9", "--target", "x", "--prompts", str(prompts), "--out", str(tmp_path)]) == 2
+
+
+def test_streams_read_to_done_are_not_counted_as_disconnects(server, dev_prompts):
+    """Sampled 64-token streams read to [DONE] count as 200s; the 499 counter is for clients that went away."""
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return (metric(text, "specgraft_requests_total", 'status="200"'),
+                metric(text, "specgraft_requests_total", 'status="499"'))
+
+    ok_before, gone_before = counts()
+    for i, prompt in enumerate(dev_prompts[:4]):
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 1.0, "seed": i, "stream": True,
+            "stream_options": {"include_usage": True}, **spec("eagle"),
+        }) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while counts()[0] - ok_before < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ok, gone = counts()
+    assert (ok - ok_before, gone - gone_before) == (4, 0)
