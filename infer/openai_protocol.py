@@ -1,20 +1,31 @@
 """OpenAI's request and response shapes, as `specgraft serve` reads and writes them.
 
-Request bodies are pydantic models that allow extra fields (OpenAI clients
-send fields we do not use) but refuse a known field of the wrong type. Fields
-the engine cannot honour are refused by name (`refused_options`) rather than
-silently ignored. `TextStream` turns committed tokens into text deltas with
+Request bodies follow OpenAI's and vLLM's protocol field by field:
+
+- Types are strict, as OpenAI's API is: ``"max_tokens": "8"`` or ``8.0`` is a
+  400 naming the field (vLLM's pydantic models coerce them; we follow OpenAI).
+  A float field takes an integer (``"temperature": 1``), as both do.
+- ``model`` may be omitted: it means the served model, as in vLLM (OpenAI
+  requires it); a model name other than the served one is a 404.
+- Unknown top-level fields are ignored and logged by name at WARNING, as vLLM
+  does (OpenAI clients send fields this server does not use). Known fields
+  the engine cannot honour are refused by name (`refused_options`).
+- ``max_tokens`` defaults to 16 on /v1/completions (OpenAI's and vLLM's
+  default) and to the rest of the target's context on /v1/chat/completions
+  (vLLM's; ``max_completion_tokens`` is taken first). Errors name the
+  request's own field. `TextStream` turns committed tokens into text deltas with
 OpenAI's stop-string rule: a stop string, and anything after it, never
 reaches the client.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Callable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specgraft.infer.detokenize import Detokenizer
 
@@ -23,12 +34,15 @@ from specgraft.infer.detokenize import Detokenizer
 # costs far more to verify than it can save).
 MAX_SPECULATIVE_TOKENS = 64
 MAX_TREE_NODES = 256
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+log = logging.getLogger("specgraft.serve")
 
 
 class Speculative(BaseModel):
     """The per-request ``speculative`` field: which drafter, and how far it drafts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     drafter: str = "auto"  # a name the server loaded, "auto" (the server's default) or "none"
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
@@ -36,7 +50,7 @@ class Speculative(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool = False
 
@@ -44,7 +58,16 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both routes share: OpenAI's, plus the extras vLLM accepts (top_k, min_p, repetition_penalty)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                log.warning("%s: ignored fields %s (this server does not use them)", cls.__name__, unknown)
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -69,7 +92,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -77,7 +100,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -32,6 +32,7 @@ from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
 from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
 from specgraft.infer.openai_protocol import (
+    COMPLETION_MAX_TOKENS,
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
     ChatCompletionRequest,
@@ -256,7 +257,8 @@ def create_app(
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ids = completion_prompt_ids(target, body.prompt)
-        return await serve(state, request, body, ids, body.max_tokens or 16, chat=False)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        return await serve(state, request, body, ids, max_tokens, chat=False, budget_field="max_tokens")
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -267,13 +269,14 @@ def create_app(
         except ValueError as err:
             raise HTTPError(400, str(err), param="messages") from None
         ids = chat_prompt_ids(target, messages)
-        budget = body.max_completion_tokens or body.max_tokens
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if budget is None:  # as vLLM: the rest of the context
             budget = target.max_context - len(ids)
             if budget < 1:
                 raise HTTPError(400, f"prompt ({len(ids)} tokens) fills the target's context of {target.max_context} tokens",
                                 param="messages")
-        return await serve(state, request, body, ids, budget, chat=True)
+        return await serve(state, request, body, ids, budget, chat=True, budget_field=field)
 
     return app
 
@@ -301,14 +304,20 @@ class Reply:
 
 
 async def serve(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                prompt_ids: list[int], max_tokens: int, *, chat: bool) -> Response:
-    """Validate, submit, wait for the first event (so a refused option is still a 4xx), then answer."""
+                prompt_ids: list[int], max_tokens: int, *, chat: bool, budget_field: str) -> Response:
+    """Validate, submit, wait for the first event (so a refused option is still a 4xx), then answer.
+
+    ``budget_field``: the request's field that set ``max_tokens``, for the error that names it.
+    """
     if body.model is not None and body.model != state.model_name:
         raise HTTPError(404, f"model {body.model!r} does not exist: this server serves {state.model_name!r}",
                         param="model", code="model_not_found")
     why = refused_options(body)
     if why:
         raise HTTPError(400, why)
+    if len(prompt_ids) + max_tokens > state.target.max_context:
+        raise HTTPError(400, f"prompt ({len(prompt_ids)} tokens) + {budget_field} ({max_tokens}) exceeds the "
+                        f"target's context of {state.target.max_context} tokens", param=budget_field)
     config, drafter, tree = state.resolve(body.speculative)
     loop = asyncio.get_running_loop()
     job = Job(config=config, drafter=drafter, tree=tree, prompt_ids=prompt_ids, max_new_tokens=max_tokens,

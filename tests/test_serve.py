@@ -199,7 +199,13 @@ def bad_requests() -> list[tuple[str, object, int, str]]:
          400, "too large"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "num_speculative_tokens": 2, "tree": "chain:2"}}, 400, "not both"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "K": 2}}, 400, "speculative.K"),
-        ("completions", {**ok, "max_tokens": 600}, 400, "600"),
+        ("completions", {**ok, "max_tokens": 600}, 400, "+ max_tokens (600) exceeds the target's context of 512"),
+        ("completions", {**ok, "max_tokens": "8"}, 400, "max_tokens"),  # strict, as OpenAI: no "8" -> 8
+        ("completions", {**ok, "max_tokens": 8.0}, 400, "max_tokens"),
+        ("completions", {**ok, "stream": 1}, 400, "stream"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "num_speculative_tokens": "2"}}, 400,
+         "num_speculative_tokens"),
+        ("chat/completions", {**chat, "max_completion_tokens": 600}, 400, "+ max_completion_tokens (600) exceeds"),
         ("completions", {**ok, "repetition_penalty": 1.3}, 400, "repetition_penalty"),
         ("completions", {**ok, "n": 2}, 400, "n=2"),
         ("completions", {**ok, "logprobs": 2}, 400, "logprobs"),
@@ -222,6 +228,21 @@ def check_bad_requests(url: str) -> None:
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert word in error["message"], (word, error)
+
+
+def test_model_may_be_omitted_and_unknown_fields_are_logged_and_ignored(server, caplog):
+    """As vLLM: no `model` means the served model; an unknown field is named in a warning, not refused."""
+    with caplog.at_level("WARNING", logger="specgraft.serve"):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S,
+                       json={"prompt": "Once upon a time", "temperature": 0, "frobnicate": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == MODEL
+    assert body["usage"]["completion_tokens"] == 16  # the documented default max_tokens of /v1/completions
+    assert any("ignored fields ['frobnicate']" in m for m in caplog.messages)
+    r = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S,
+                   json={"prompt": "Once upon a time", "temperature": 1, "max_tokens": 4})  # an int where a float goes
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(server, client):
