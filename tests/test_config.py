@@ -313,3 +313,21 @@ def test_running_a_config_checks_its_files_before_anything_loads(tmp_path, files
     cfg = load_config(write(tmp_path, raw))
     with pytest.raises(FileNotFoundError, match=r"config\.yaml: target\.path=.*no_model"):
         getattr(train, entry)(cfg)
+
+
+def test_a_bad_override_is_refused_before_torch_loads(tmp_path, files):
+    """Validation reads pydantic models only (specgraft.heads loads its modules on first use)."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path, minimal(files))
+    code = (
+        "import sys\n"
+        "from specgraft.config import ConfigError, load_config\n"
+        "try:\n"
+        f"    load_config({str(path)!r}, ['training.lr=abc'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'training.lr' in str(err)\n"
+        "    sys.exit(10 + ('torch' in sys.modules))\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 10

@@ -122,12 +122,22 @@ def _deepspeed_on_cpu_quietly() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def _config(args: argparse.Namespace):
+    """The validated config and its files, before torch loads: a typo in an override is refused at once."""
+    from specgraft.config import check_files, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_files(cfg)
+    finally:  # set before anything imports DeepSpeed, whatever happens here
+        _deepspeed_on_cpu_quietly()
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    _deepspeed_on_cpu_quietly()
-    from specgraft.config import load_config
+    cfg = _config(args)
     from specgraft.train.pipeline import run_training
 
-    cfg = load_config(args.config, args.overrides)  # every config error surfaces before a model loads
     head_dir = run_training(cfg)
     if os.environ.get("RANK", "0") == "0":  # one line from a launcher's many processes
         print(f"head written to {head_dir}")
@@ -135,21 +145,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_extract_features(args: argparse.Namespace) -> int:
-    _deepspeed_on_cpu_quietly()
-    from specgraft.config import load_config
+    cfg = _config(args)
     from specgraft.train.pipeline import run_feature_extraction
 
-    cfg = load_config(args.config, args.overrides)
     print(f"features in {run_feature_extraction(cfg)}")
     return 0
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    _deepspeed_on_cpu_quietly()
-    from specgraft.config import load_config
+    cfg = _config(args)
     from specgraft.train.pipeline import run_regeneration
 
-    cfg = load_config(args.config, args.overrides)
     print(f"self-distilled data in {run_regeneration(cfg)}")
     return 0
 

@@ -25,8 +25,9 @@ from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.heads.export import UNSUPPORTED_VARIANTS
-from specgraft.specs import IMPORT_FORMATS
+from specgraft.heads.loading import build_head
 from specgraft.model import Target
+from specgraft.specs import IMPORT_FORMATS
 
 WEIGHT_FILES = {  # in the order the official loaders look for them
     "eagle": ("pytorch_model.bin", "model.safetensors"),
@@ -197,8 +198,6 @@ def import_head(src: str | Path, fmt: str, out_dir: str | Path, target: Target) 
         ValueError: a pickle that needs code execution, a config or tensor that does not fit the
             target, a missing or unexpected tensor (each named), or an EAGLE variant specgraft lacks.
     """
-    from specgraft.heads import build_head  # the builders live in the package's __init__
-
     src = Path(src)
     if fmt not in IMPORT_FORMATS:
         raise ValueError(f"unknown import format {fmt!r}; expected one of {IMPORT_FORMATS}")

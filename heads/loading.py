@@ -1,0 +1,101 @@
+"""Loading drafters: a head from its config or directory, any drafter from a spec (`specgraft.specs`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from specgraft.heads.base import Drafter
+from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir
+from specgraft.heads.composite import Composite
+from specgraft.heads.configs import DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.distill import DistilledDraft
+from specgraft.heads.draft_model import DraftModel
+from specgraft.heads.eagle import EagleHead
+from specgraft.heads.eagle3 import Eagle3Head
+from specgraft.heads.feature_drafter import FeatureDrafter
+from specgraft.heads.layer_skip import LayerSkip
+from specgraft.heads.medusa import MedusaDrafter, MedusaHeads
+from specgraft.heads.prompt_lookup import PromptLookup
+from specgraft.model import Target
+from specgraft.specs import (
+    CompositeSpec, DirectorySpec, DrafterSpec, LayerSkipSpec, NoDrafter, PromptLookupSpec, SelfSpec, check_drafter,
+)
+
+
+def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig, target: Target) -> nn.Module:
+    """A fresh trainable head for ``target`` (the builder receives the frozen target; it loads nothing)."""
+    if isinstance(config, MedusaConfig):
+        return MedusaHeads.for_target(config, target)
+    if isinstance(config, EagleConfig):
+        return EagleHead(config, target)
+    if isinstance(config, Eagle3Config):
+        return Eagle3Head(config, target)
+    if isinstance(config, DistillConfig):
+        return DistilledDraft(config, target)
+    raise TypeError(f"unknown head config {type(config).__name__}")
+
+
+def load_head(path: str | Path, target: Target) -> nn.Module:
+    """A trained head module from a head directory, checked against ``target``."""
+    config, signature, tensors = read_head_dir(path)
+    check_target(signature, target, f"head {path}")
+    head = build_head(config, target)
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{Path(path) / 'model.safetensors'} does not fit this {config.type} head: missing {missing}, unexpected {unexpected}")
+    return head.to(target.device).eval()
+
+
+def as_drafter(head: nn.Module, target: Target) -> Drafter:
+    """The drafter view of a trainable head module (shares its weights)."""
+    if isinstance(head, MedusaHeads):
+        return MedusaDrafter(head, target)
+    if isinstance(head, (EagleHead, Eagle3Head)):
+        return FeatureDrafter(head, target)
+    if isinstance(head, DistilledDraft):
+        return DraftModel(Target(head.model, target.tokenizer, "distilled draft"), target)
+    raise TypeError(f"{type(head).__name__} is not a drafter")
+
+
+def load_drafter(path: str | Path, target: Target) -> Drafter:
+    """Any drafter directory: a specgraft head (Medusa, EAGLE, EAGLE-3), a distilled draft model,
+    or any other transformers causal LM sharing the target's vocabulary (an independent draft)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter directory {path} does not exist")
+    if (path / SIDECAR).is_file():  # a distilled draft: a transformers model directory
+        check_target(json.loads((path / SIDECAR).read_text())["target"], target, f"draft model {path}")
+        return DraftModel(path, target)
+    config = path / "config.json"
+    try:
+        raw = json.loads(config.read_text()) if config.is_file() else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config} is not valid JSON ({err})") from None
+    if "model_type" in raw and "head" not in raw:
+        return DraftModel(path, target)  # a transformers causal LM trained elsewhere
+    return as_drafter(load_head(path, target), target)
+
+
+def drafter_from_spec(spec: str | DrafterSpec, target: Target) -> Drafter | None:
+    """The drafter a spec names (`specgraft.specs` has the grammar): None for ``none``; a `Composite` for
+    ``prompt-lookup[:K]+X`` (the lookup takes one match, so the tree keeps the size its policy gives it).
+
+    Raises:
+        ValueError: a malformed spec. FileNotFoundError: a drafter directory it names is missing.
+    """
+    spec = check_drafter(spec)
+    if isinstance(spec, NoDrafter):
+        return None
+    if isinstance(spec, PromptLookupSpec):
+        return PromptLookup()
+    if isinstance(spec, SelfSpec):
+        return DraftModel(target, target)
+    if isinstance(spec, LayerSkipSpec):
+        return LayerSkip(target, skip=list(spec.skip))
+    if isinstance(spec, CompositeSpec):
+        return Composite(PromptLookup(max_matches=1), drafter_from_spec(spec.then, target), first_depth=spec.first_depth)
+    assert isinstance(spec, DirectorySpec), spec
+    return load_drafter(spec.path, target)
