@@ -9,8 +9,7 @@ config file's validation reads, imports no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from specgraft.lazy import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -33,16 +32,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'specgraft.heads' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = [

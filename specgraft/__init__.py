@@ -11,8 +11,9 @@ The names below load on first use (PEP 562), so `import specgraft.cli` and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specgraft.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from specgraft.heads import Composite, DraftModel, Drafter, LayerSkip, PromptLookup, load_drafter, search_layer_skip
@@ -36,13 +37,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'specgraft' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,8 +8,9 @@ The names below load on first use (PEP 562): `import specgraft.train.data` does 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specgraft.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from specgraft.train.data import TokenizedDataset, collate, load_records, train_eval_split
@@ -28,9 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'specgraft.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
