@@ -545,7 +545,7 @@ def bench_main(args: argparse.Namespace) -> int:
         check_bench_drafter(spec)
     for spec, tree_spec in args.method:
         check_bench_drafter(spec)
-        parse_tree(tree_spec)
+        parse_tree_spec(tree_spec)  # a tree file is read here, before the target loads
     trees = _trees(args)
     prompts = read_prompt_file(args.prompts, args.limit, args.per_category)
     if not args.drafter and not args.method and not baselines:

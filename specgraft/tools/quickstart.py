@@ -103,10 +103,10 @@ class QuickstartConfig:
         bad += [f"{name}={getattr(self, name)}" for name in ("train_minutes", "demo_minutes", "lr") if getattr(self, name) <= 0]
         if bad:
             raise ValueError(f"quickstart sizes must be positive: {', '.join(bad)}")
-        from specgraft.specs import parse_tree
+        from specgraft.tree import parse_tree_spec
 
         for spec in self.trees:
-            parse_tree(spec)
+            parse_tree_spec(spec)  # a tree file is read here, before any stage runs
         if self.prompts is not None and not Path(self.prompts).expanduser().is_file():
             raise FileNotFoundError(f"--prompts {self.prompts!r} does not exist")
         if self.target is not None and self.target.startswith((".", "/", "~")) and not Path(self.target).expanduser().is_dir():
