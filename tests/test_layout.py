@@ -3,7 +3,7 @@
 An arrow is "may import". The rooms, from the bottom up:
 
     specgraft.specs, specgraft.threads,  nothing of ours (the spec grammar; the thread choice; lazy package
-    specgraft.lazy                        exports), and every room may import them
+    specgraft.lazy                        exports, which any room may use)
     specgraft.tree                        specs
     specgraft.model                       threads
     specgraft.heads                       tree, model, specs
@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 # folder -> the package it imports as (pyproject.toml's package-dir)
 FOLDERS = {"specgraft": "specgraft", "heads": "specgraft.heads", "tree": "specgraft.tree",
            "infer": "specgraft.infer", "train": "specgraft.train"}
-LEAVES = ("specgraft.specs", "specgraft.threads", "specgraft.lazy")  # stdlib only; every room may import them
+LAZY = "specgraft.lazy"  # a package's PEP 562 exports: any room's package may use it
+LEAVES = ("specgraft.specs", "specgraft.threads", LAZY)  # stdlib only
 ROOMS = (*LEAVES, "specgraft.tree", "specgraft.model", "specgraft.heads",
          "specgraft.config", "specgraft.infer", "specgraft.train", "specgraft.tools", "specgraft.cli")
 ALLOWED = {
@@ -137,7 +138,7 @@ def violations(module: str, imports: list[Import], where: str) -> list[str]:
             bad.append(f"{where}:{imp.line}: {module} imports {imp.imported}: a tool uses the public API "
                        f"({target} or specgraft), not a module inside it")
             continue
-        if target in ALLOWED[room] or (target in LEAVES and room not in LEAVES):
+        if target in ALLOWED[room] or (target == LAZY and room not in LEAVES):
             continue
         if target == "specgraft.infer" and module == TRAIN_MAY_EVALUATE_WITH_INFER:
             continue
@@ -187,3 +188,9 @@ def test_type_checking_imports_are_not_arrows():
 def test_entry_points_may_start_the_cli():
     source = "from specgraft.cli import main\n"
     assert violations("specgraft.train.__main__", imports_of("specgraft.train.__main__", source, set()), "x.py") == []
+
+
+def test_leaves_are_not_open_to_every_room():
+    """Only the lazy-exports helper is open to all: the tree may not reach for the thread choice."""
+    found = violations("specgraft.tree.policies", imports_of("specgraft.tree.policies", "import specgraft.threads\n", set()), "x.py")
+    assert any("may not import specgraft.threads" in line for line in found), found

@@ -20,7 +20,7 @@ from typing import Callable
 
 from specgraft.cli import flags
 from specgraft.cli.flags import DEFAULT_CHECK_PROMPTS
-from specgraft.specs import PROMPT_LOOKUP, check_drafter, parse_drafter, parse_tree
+from specgraft.specs import PROMPT_LOOKUP, NoDrafter, check_drafter, parse_drafter, parse_tree
 
 
 def _load(args: argparse.Namespace):
@@ -271,10 +271,11 @@ def parse_drafter_flags(values: list[str]) -> dict[str, str]:
             raise ValueError(f"--drafter {value!r}: expected NAME=DRAFTER, e.g. eagle=runs/eagle/head")
         if name in ("none", "auto", PROMPT_LOOKUP) or name in named:
             raise ValueError(f"--drafter {value!r}: the name {name!r} is reserved or given twice")
-        if parse_drafter(spec) == parse_drafter("none"):
+        parsed = parse_drafter(spec)
+        if isinstance(parsed, NoDrafter):
             raise ValueError(f"--drafter {value!r}: 'none' is always there (speculative off)")
         try:
-            check_drafter(spec)
+            check_drafter(parsed)
         except FileNotFoundError:
             raise FileNotFoundError(f"--drafter {value!r}: directory {spec!r} does not exist") from None
         named[name] = spec

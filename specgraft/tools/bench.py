@@ -46,7 +46,7 @@ from specgraft.heads import Drafter, PromptLookup, drafter_from_spec
 from specgraft.infer import GenerationStats
 from specgraft.model import Target
 from specgraft.specs import (
-    DirectorySpec, DrafterSpec, NoDrafter, StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
+    CompositeSpec, DirectorySpec, DrafterSpec, NoDrafter, StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
 )
 from specgraft.tools.bench_report import PLOTS, results_markdown, write_results
 from specgraft.tools.bench_runners import (
@@ -470,8 +470,9 @@ def spec_label(spec: str | DrafterSpec) -> str:
     parsed = parse_drafter(spec)
     if isinstance(parsed, DirectorySpec):
         return drafter_label(Path(parsed.path))
-    then = getattr(parsed, "then", None)  # a composite: prompt-lookup[:K]+ as written, then its drafter's label
-    return str(parsed) if then is None else str(parsed).removesuffix(str(then)) + spec_label(then)
+    if isinstance(parsed, CompositeSpec):  # prompt-lookup[:K]+ as written, then its drafter's label
+        return str(parsed).removesuffix(str(parsed.then)) + spec_label(parsed.then)
+    return str(parsed)
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
