@@ -7,10 +7,13 @@ The engine owns the committed sequence and talks to a drafter in three calls:
 
 - ``drafter.start(prompt_ids, hidden)`` once the target has prefilled a prompt,
   giving the generation's own `DraftState`;
-- ``state.propose(root_token, policy, max_depth, sampler)`` for a candidate tree whose
+- ``state.propose(root_token, policy, max_depth, sampling)`` for a candidate tree whose
   root is the last committed token (the one the target has not run yet);
-- ``state.commit(tokens, hidden)`` with the accepted path (root first), now in the
-  target's cache, and the target's hidden states at those positions.
+- ``state.commit(tokens, hidden, path)`` with the accepted path's tokens (root
+  first), now in the target's cache, the target's hidden states at those
+  positions, and the path's node indices in the tree the state proposed this
+  step (None when the tree verified was not its proposal: the root alone, or
+  a composite's other drafter's).
 
 Trained heads, small draft models and prompt lookup all implement it; none
 subclasses anything.
@@ -31,8 +34,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from specgraft.model import BatchedKVCache, StaticKVCache
-from specgraft.tree import Tree, TreePolicy
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy
 
 
 @runtime_checkable
@@ -40,16 +42,17 @@ class DraftState(Protocol):
     """One generation's drafting state: created by `Drafter.start`, used by that generation only."""
 
     def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         """A tree rooted at ``root_token``, at most ``max_depth`` deep.
 
-        ``sampler`` is None under greedy decoding; otherwise it filters the
-        draft distribution exactly as the target's and draws sampled children.
+        ``sampling`` is None or greedy under greedy decoding (children are top-k); otherwise it
+        filters the draft distribution exactly as the target's and draws sampled children.
         """
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        """Accepted path tokens (K,), root first; hidden: layer -> (K, H)."""
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
+        """Accepted path tokens (K,), root first; hidden: layer -> (K, H); path: (K,) their node indices in
+        the tree this state proposed this step, or None when the tree verified was not its proposal."""
 
     def cache_tokens(self) -> int:
         """Most KV positions held since the last commit, a proposal's draft tree included (0: no cache)."""
@@ -70,7 +73,7 @@ class DraftRequest:
 
     Attributes:
         state: the generation's `DraftState`, from the batch drafter's ``start``.
-        root_token, policy, max_depth, sampler: as `DraftState.propose` takes them (max_depth >= 1).
+        root_token, policy, max_depth, sampling: as `DraftState.propose` takes them (max_depth >= 1).
         row: the state's row of the batched cache passed beside the requests (0 without one).
     """
 
@@ -78,7 +81,7 @@ class DraftRequest:
     root_token: int
     policy: TreePolicy
     max_depth: int
-    sampler: DraftSampler | None = None
+    sampling: Sampling | None = None
     row: int = 0
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from specgraft.heads.base import Drafter, DraftState
-from specgraft.tree import Tree, TreePolicy
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy
 
 
 class Composite:
@@ -54,19 +53,24 @@ class CompositeState:
         self.first, self.then, self.first_depth = first, then, first_depth
         self.drafted_by_first = 0
         self.drafted_by_then = 0
+        self.proposer: DraftState | None = None  # whose tree this step's is, until the commit
 
-    def propose(self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None) -> Tree:
+    def propose(self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None) -> Tree:
         cap = policy.max_depth if self.first_depth is None else self.first_depth
-        tree = self.first.propose(root_token, policy, min(max_depth, cap), sampler)
+        tree = self.first.propose(root_token, policy, min(max_depth, cap), sampling)
         if len(tree.tokens) > 1:
             self.drafted_by_first += 1
+            self.proposer = self.first
             return tree
         self.drafted_by_then += 1
-        return self.then.propose(root_token, policy, max_depth, sampler)
+        self.proposer = self.then
+        return self.then.propose(root_token, policy, max_depth, sampling)
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self.first.commit(tokens, hidden)
-        self.then.commit(tokens, hidden)
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
+        """Both states see every commit; only the one whose tree was verified gets its path."""
+        proposer, self.proposer = (self.proposer if path is not None else None), None
+        self.first.commit(tokens, hidden, path if proposer is self.first else None)
+        self.then.commit(tokens, hidden, path if proposer is self.then else None)
 
     def cache_tokens(self) -> int:
         return self.first.cache_tokens() + self.then.cache_tokens()

@@ -17,8 +17,7 @@ from transformers import PreTrainedModel
 
 from specgraft.heads.draft_round import DraftRound
 from specgraft.model import Target, load_model
-from specgraft.tree import Tree, TreePolicy, additive_mask
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy, additive_mask
 
 
 class DraftModel:
@@ -61,7 +60,7 @@ class DraftModelState:
         self.pending = committed  # the committed tokens after the cache's, oldest first
         self.peak = 0
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self.pending.extend(tokens.flatten().tolist())
         self.length += tokens.numel()
         self.peak = len(self.cache)
@@ -70,13 +69,13 @@ class DraftModelState:
         return self.peak
 
     def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.device)
         round_ = DraftRound(self.length, lambda: self._run_root(root_token), self._run_nodes, self.device)
         try:
-            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
+            return policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampling=sampling)
         finally:
             self.peak = len(self.cache)
             self.cache.crop(min(len(self.cache), self.length))  # roll back every draft position

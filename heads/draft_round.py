@@ -29,6 +29,10 @@ class DraftRound:
         self.device = device
         self.slot_nodes: list[int] = []  # tree nodes in cache order after the prefix
         self.logp: dict[int, torch.Tensor] = {}  # node -> (V,) draft log-probs of its children
+        # The tokens from the root down to each node that ran -> its slot after the prefix. Keyed by tokens, not
+        # node index: a policy may re-index its tree when it finishes (EAGLE-2's rerank), and a node's keys and
+        # values depend only on its token and its ancestors'.
+        self.slot_of_path: dict[tuple[int, ...], int] = {}
 
     def step(self, tree: Tree, frontier: torch.Tensor) -> torch.Tensor:
         """(F,) frontier nodes -> (F, V) draft log-probabilities for their children."""
@@ -36,7 +40,7 @@ class DraftRound:
         new = [n for n in dict.fromkeys(wanted) if n not in self.logp]
         if 0 in new:
             self.logp[0] = self.run_root().float().log_softmax(-1)
-            self.slot_nodes.append(0)
+            self._ran(tree, [0])
             new.remove(0)
         if new:
             idx = torch.tensor(new, device=self.device)
@@ -50,5 +54,12 @@ class DraftRound:
             )
             logp = self.run_nodes(tree, idx, visible, self.prefix + tree.depth[idx]).float().log_softmax(-1)
             self.logp.update(zip(new, logp))
-            self.slot_nodes.extend(new)
+            self._ran(tree, new)
         return torch.stack([self.logp[n] for n in wanted])
+
+    def _ran(self, tree: Tree, nodes: list[int]) -> None:
+        tokens = tree.tokens.tolist()
+        for node in nodes:
+            path = tuple(tokens[i] for i in tree.path_to(node).tolist())
+            self.slot_of_path[path] = len(self.slot_nodes)
+            self.slot_nodes.append(node)

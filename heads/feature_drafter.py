@@ -34,8 +34,7 @@ import torch
 
 from specgraft.heads.base import DraftRequest
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
-from specgraft.tree import Tree, TreePolicy, grow_together
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy, grow_together
 
 
 class FeatureDrafter:
@@ -67,8 +66,8 @@ class FeatureDrafter:
             if len(requests) == 1 and not hasattr(requests[0].policy, "levels"):
                 r = requests[0]
                 step = lambda tree, frontier: round_.step([(0, tree, frontier)])[0]  # noqa: E731
-                return [r.policy.grow(step, r.root_token, max_depth=r.max_depth, device=self.device, sampler=r.sampler)]
-            growths = [r.policy.levels(r.root_token, r.max_depth, self.device, r.sampler) for r in requests]
+                return [r.policy.grow(step, r.root_token, max_depth=r.max_depth, device=self.device, sampling=r.sampling)]
+            growths = [r.policy.levels(r.root_token, r.max_depth, self.device, r.sampling) for r in requests]
             return grow_together(growths, round_.step)
         finally:
             round_.rollback()
@@ -99,7 +98,7 @@ class FeatureDraftState:
         self.next_tokens = prompt_ids[1 + pairs :]  # t_{len(cache)+1} .. t_{n-1}
 
     @torch.inference_mode()
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self.features = torch.cat([self.features, self.drafter.head.draft_features(hidden)])
         self.next_tokens = torch.cat([self.next_tokens, tokens.flatten().to(self.drafter.device)])
         self.length += tokens.numel()
@@ -108,11 +107,11 @@ class FeatureDraftState:
         return self.peak
 
     def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.drafter.device)
-        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampler)])[0]
+        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampling)])[0]
 
 
 @dataclass

@@ -27,6 +27,7 @@ Shape legend: T new tokens, F frontier nodes, L cached slots + F, V vocabulary.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import torch
@@ -34,8 +35,7 @@ import torch
 from specgraft.heads.draft_round import DraftRound
 from specgraft.model import TREE_SLOTS, Target, unsupported_reason
 from specgraft.specs import format_layer_set
-from specgraft.tree import Tree, TreePolicy
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy
 
 
 def check_skip(skip: Iterable[int], num_layers: int) -> tuple[int, ...]:
@@ -108,32 +108,33 @@ class LayerSkipState:
         self.cache = self.fast.new_cache(max_len=drafter.target.max_context + TREE_SLOTS)
         self.length = len(committed)  # committed tokens, the root excluded
         self.pending = committed  # committed tokens not in the cache yet, oldest first (the prompt at first)
-        self.proposed: tuple[Tree, list[int]] | None = None  # the last round's tree and its nodes in slot order
+        self.proposed: dict[tuple[int, ...], int] | None = None  # the last round's node token paths -> slots
         self.peak = 0
 
     def cache_tokens(self) -> int:
         return self.peak
 
     def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.device)
         round_ = DraftRound(self.length, lambda: self._run_root(root_token), self._run_nodes, self.device)
-        tree = policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampler=sampler)
+        tree = policy.grow(round_.step, root_token, max_depth=max_depth, device=self.device, sampling=sampling)
         self.peak = len(self.cache)
-        self.proposed = (tree, round_.slot_nodes)
+        self.proposed = round_.slot_of_path
         return tree
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         """Keep the accepted nodes' draft keys/values; what the draft never ran becomes pending."""
         accepted = tokens.flatten().tolist()
-        if self.proposed is not None and self.proposed[1]:
-            tree, slot_nodes = self.proposed
-            rows = _accepted_rows(tree, slot_nodes, accepted)
+        if path is not None and self.proposed:
+            # The path's nodes that ran are a prefix of it (a node runs after its parent), in increasing slots.
+            prefixes = (tuple(accepted[: i + 1]) for i in range(len(accepted)))
+            rows = [self.proposed[p] for p in itertools.takewhile(self.proposed.__contains__, prefixes)]
             self.cache.keep(self.length, torch.tensor(rows, device=self.device))
             self.pending = accepted[len(rows) :]
-        else:  # the root alone was verified (no room to draft): nothing ran
+        else:  # not our tree (the root alone, or a composite's other drafter's): nothing of ours ran
             self.pending = self.pending + accepted
         self.proposed = None
         self.length += len(accepted)
@@ -151,30 +152,3 @@ class LayerSkipState:
         # visible: (F, L) bool, True where a node may attend (its committed prefix, its ancestors, itself)
         logits, _ = self.fast.forward(tree.tokens[nodes][None], self.cache, positions[None], visible)  # (1, F, V)
         return logits[0]
-
-
-def _accepted_rows(tree: Tree, slot_nodes: list[int], accepted: list[int]) -> list[int]:
-    """Cache rows (after the committed prefix) of the accepted path's nodes that the draft ran, root first.
-
-    ``accepted`` holds tokens only, so the path is found again by walking the
-    tree from the root. Among siblings with the same token any one that ran
-    will do: a node's keys/values depend only on its token and its ancestors.
-    The nodes that ran form a prefix of the path (a node runs after its parent),
-    and their rows increase along it.
-    """
-    slot = {node: row for row, node in enumerate(slot_nodes)}
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree.parents.tolist()):
-        if node > 0:
-            children.setdefault(parent, []).append(node)
-    tokens = tree.tokens.tolist()
-    rows, node = [], 0
-    if 0 not in slot:
-        return rows
-    rows.append(slot[0])
-    for token in accepted[1:]:
-        node = next((c for c in children.get(node, []) if tokens[c] == token and c in slot), None)
-        if node is None:
-            break
-        rows.append(slot[node])
-    return rows

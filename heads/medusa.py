@@ -23,8 +23,7 @@ from typing import Sequence
 from specgraft.heads.base import DraftRequest, TrainBatch
 from specgraft.heads.configs import MedusaConfig
 from specgraft.model import BatchedKVCache, Target
-from specgraft.tree import Tree, TreePolicy
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreePolicy
 
 
 class MedusaBlock(nn.Module):
@@ -121,7 +120,7 @@ class MedusaDrafter:
                 return row_logp[tree.depth[frontier]]
 
             trees.append(request.policy.grow(
-                step, request.root_token, max_depth=max_depth, device=hidden.device, sampler=request.sampler
+                step, request.root_token, max_depth=max_depth, device=hidden.device, sampling=request.sampling
             ))
         return trees
 
@@ -133,15 +132,15 @@ class MedusaDraftState:
         self.drafter = drafter
         self.last_hidden = last_hidden  # (H,)
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self.last_hidden = hidden[self.drafter.hidden_layers[0]][-1]
 
     def cache_tokens(self) -> int:
         return 0
 
     def propose(
-        self, root_token: int, policy: TreePolicy, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         if max_depth < 1:
             return Tree.root_only(root_token, self.last_hidden.device)
-        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampler)])[0]
+        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampling)])[0]

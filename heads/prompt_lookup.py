@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specgraft.tree import ROOT_PARENT, Tree, TreePolicy
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import ROOT_PARENT, Sampling, Tree, TreePolicy
 
 
 class PromptLookup:
@@ -48,7 +47,7 @@ class PromptLookupState:
         self.ends: dict[tuple[int, ...], list[int]] = {}
         self._extend(history)
 
-    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self._extend(tokens.detach().flatten().tolist())
 
     def cache_tokens(self) -> int:
@@ -63,11 +62,11 @@ class PromptLookupState:
                 self.ends.setdefault(tuple(self.history[end - n :]), []).append(end)
 
     def propose(
-        self, root_token: int, policy: TreePolicy | None, max_depth: int, sampler: DraftSampler | None = None
+        self, root_token: int, policy: TreePolicy | None, max_depth: int, sampling: Sampling | None = None
     ) -> Tree:
         """A trie of the continuations after the longest matching suffix.
 
-        ``policy`` and ``sampler`` are not used: copied tokens are point masses,
+        ``policy`` and ``sampling`` are not used: copied tokens are point masses,
         which exact verification accepts at any temperature.
         """
         depth = min(self.lookup.num_tokens, max_depth)

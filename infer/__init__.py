@@ -1,22 +1,34 @@
-"""The engine: verification, KV commit, stop rules, stats and the decode loop."""
+"""The engine: one scheduler and its step (verification, KV commit, stop rules, stats), its events, the server."""
 
-from specgraft.infer.generator import Decoding, GenerationOutput, SpeculativeGenerator, StreamChunk
-from specgraft.infer.sampling import SamplingPolicy
-from specgraft.infer.scheduler import Scheduler
+from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
+from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options
+from specgraft.infer.request import PromptIds, check_prompt
+from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats, percentile
 from specgraft.infer.stopping import StopRule
-from specgraft.infer.verify import Acceptance, greedy_accept
+from specgraft.infer.verify import Acceptance, AcceptRule, greedy_accept, is_lossless, lossy_typical_accept, sample_accept
 
 __all__ = [
+    "NO_DRAFTER",
     "Acceptance",
-    "Decoding",
+    "AcceptRule",
+    "EngineCounters",
+    "Event",
+    "Failed",
+    "Finished",
     "GenerationOutput",
     "GenerationStats",
-    "SamplingPolicy",
+    "PromptIds",
     "Scheduler",
     "SpeculativeGenerator",
     "StopRule",
     "StreamChunk",
+    "Tokens",
+    "check_prompt",
     "greedy_accept",
+    "is_lossless",
+    "lossy_typical_accept",
+    "per_prompt_options",
     "percentile",
+    "sample_accept",
 ]

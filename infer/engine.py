@@ -1,16 +1,17 @@
-"""The serving engine: one background thread stepping one `Scheduler` per drafter configuration.
+"""The serving engine: one background thread stepping the one `Scheduler`.
 
 Torch work is synchronous, so it runs on one thread of its own while the HTTP
 side (asyncio) stays responsive. The HTTP side hands a `Job` over through a
-thread-safe command queue; the engine thread submits it to the scheduler of
-its (drafter, tree) configuration, steps every non-idle scheduler once per
-round, and posts each step's tokens back into the job's asyncio queue with
-``loop.call_soon_threadsafe``. Cancels are applied before the next round, so
-a cancelled generation's cache rows are freed within one step.
+thread-safe command queue; the engine thread submits it to the scheduler
+(whatever its drafter, tree or sampling: every request shares every step),
+steps the scheduler while anything runs, and posts each event of a job
+(`Tokens`, then `Finished` or `Failed`) into the job's asyncio queue with
+``loop.call_soon_threadsafe``. Cancels are applied before the next step, so
+a cancelled generation's rows are freed within one step.
 
-Rows are capped across schedulers: at most ``max_batch_size`` generations run
-at once, admitted first come first served whatever their drafter; at most
-``max_queue`` more wait, and a job beyond that is refused (`QueueFull`).
+At most ``max_batch_size`` generations run at once (the scheduler's rows),
+admitted first come first served; at most ``max_queue`` more wait, and a job
+beyond that is refused (`QueueFull`).
 """
 
 from __future__ import annotations
@@ -19,70 +20,53 @@ import asyncio
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from specgraft.heads.base import Drafter
-from specgraft.infer.generator import SpeculativeGenerator
-from specgraft.infer.scheduler import Scheduler
+from specgraft.infer.events import Event, Failed, Finished, Tokens
+from specgraft.infer.request import PromptIds
+from specgraft.infer.scheduler import EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
 from specgraft.tree import TreePolicy
 
 IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between looks at its command queue
+UNSUBMITTED = -1  # the handle of a job the scheduler never took
 
 
 class QueueFull(Exception):
     """Every row is busy and the wait queue is full: the caller should retry later (HTTP 503)."""
 
 
-@dataclass(frozen=True)
-class Config:
-    """A drafter choice: the drafter's name and its tree (``tree_key`` names the tree, e.g. ``chain:4``)."""
+class EngineError(Exception):
+    """Why the engine ended a job itself: ``status`` 400 for options it refused, 503 at shutdown, 500 on a crash."""
 
-    drafter: str
-    tree_key: str
-
-
-@dataclass
-class Tokens:
-    """Tokens one step committed for a job; ``at`` is when the engine posted them."""
-
-    token_ids: list[int]
-    at: float
-
-
-@dataclass
-class Finished:
-    stats: GenerationStats
-
-
-@dataclass
-class Failed:
-    """The job failed: ``status`` 400 for options the engine refused, 500 for a fault in its step, 503 at shutdown."""
-
-    status: int
-    message: str
-
-
-Event = Tokens | Finished | Failed
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
 class Job:
-    """One request as the engine sees it; events arrive in ``events`` on the HTTP side's loop."""
+    """One request as the engine sees it; its events arrive in ``events`` on the HTTP side's loop.
 
-    config: Config
+    ``drafter_key`` names the drafter in the scheduler's pool (loaded there on first use);
+    ``drafter_name`` and ``tree_label`` are what the request's stats report.
+    """
+
+    drafter_key: str
     drafter: Drafter | None
     tree: TreePolicy
-    prompt_ids: list[int]
+    prompt: PromptIds
     max_new_tokens: int
     options: dict[str, Any]
     loop: asyncio.AbstractEventLoop
+    drafter_name: str = "none"
+    tree_label: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.perf_counter)
-    handle: int | None = None  # the scheduler's, once submitted
+    handle: int = UNSUBMITTED  # the scheduler's, once submitted
     generated: int = 0  # tokens posted so far
     ended: bool = False
 
@@ -96,6 +80,8 @@ class Job:
 class EngineObserver:
     """What the engine reports as it runs (the server's metrics implement it); every method is a no-op here."""
 
+    def started(self, scheduler: Scheduler) -> None: ...
+
     def first_token(self, seconds: float) -> None: ...
 
     def tokens(self, count: int, seconds_each: float) -> None: ...
@@ -104,44 +90,60 @@ class EngineObserver:
 
     def load(self, running: int, queued: int) -> None: ...
 
+    def stepped(self, counters: EngineCounters) -> None: ...
+
 
 class Engine:
-    """Generators and schedulers for each configuration in use, stepped by one thread.
-
-    A job brings its loaded drafter (shared: weights load once per server) and
-    tree; jobs with equal `Config` share one scheduler.
+    """The scheduler and the thread that steps it.
 
     Args:
-        target: the loaded target, shared by every generator.
-        max_batch_size: most generations running at once, over all configurations.
+        target: the loaded target.
+        drafters: name -> loaded drafter (shared by every request; weights load once per server).
+            More drafters that keep no draft pool (prompt lookup settings) load as requests name them.
+        max_batch_size: most generations running at once: the rows of the KV pool, allocated here.
         max_queue: most generations waiting for a row; more are refused with `QueueFull`.
-        observer: receives load and latency reports (metrics).
+        max_len: most tokens (prompt + new) of a request (see `Scheduler`).
+        observer: receives load, latency and step reports (metrics).
     """
 
     def __init__(
         self,
         target: Target,
+        drafters: Mapping[str, Drafter | None] | None = None,
         *,
         max_batch_size: int = 16,
         max_queue: int = 256,
+        max_len: int | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1 and max_queue ({max_queue}) >= 0")
-        self.target = target
+        self.scheduler = Scheduler(target, drafters, max_batch_size=max_batch_size, max_len=max_len)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.observer = observer or EngineObserver()
-        self.schedulers: dict[Config, Scheduler] = {}
-        self.jobs: dict[tuple[Config, int], Job] = {}
-        self.waiting: OrderedDict[int, Job] = OrderedDict()  # submitted, no row yet: first come first served
-        self.commands: queue.SimpleQueue[tuple[str, Job]] = queue.SimpleQueue()
+        self.jobs: dict[int, Job] = {}  # by scheduler handle
+        self.commands: queue.SimpleQueue[tuple[str, Job | None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.lock = threading.Lock()
         self.in_flight = 0  # jobs accepted and not yet ended, counted at once on the HTTP side
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="specgraft-engine", daemon=True)
         self.crashed: BaseException | None = None
+        self.observer.started(self.scheduler)
+
+    def describe(self) -> str:
+        """What was allocated at start: the KV pool (and the batch drafters' draft pools), for the start-up log."""
+        sched = self.scheduler
+        if sched.pool is None:
+            return (f"KV caches: per generation (Hugging Face's forward), up to {self.max_batch_size} generations "
+                    f"of {sched.max_len} tokens")
+        layers, _, rows, heads, slots, dim = sched.pool.kv.shape
+        line = (f"KV pool: {rows} rows x {slots} slots ({sched.max_len} tokens + one tree) x {layers} layers x "
+                f"{heads} kv heads x {dim} dims, {sched.pool.kv.dtype}: {sched.pool_bytes / 2**20:,.1f} MiB")
+        if sched.draft_pools:
+            line += f"; draft pools ({', '.join(sched.draft_pools)}): {sched.draft_pool_bytes / 2**20:,.1f} MiB"
+        return line
 
     # ------------------------------------------------------------------ HTTP side (any thread)
 
@@ -183,36 +185,31 @@ class Engine:
         try:
             while self._apply_commands():
                 self._report_load()
-                if not any(not s.idle for s in self.schedulers.values()):
+                if self.scheduler.idle:
                     self.wake.wait(IDLE_WAIT_S)
                     self.wake.clear()
                     continue
-                self._admit()
-                for config, sched in list(self.schedulers.items()):
-                    if not sched.idle:
-                        self._step(config, sched)
-                    if sched.idle:  # rebuilt on demand: requests may name many trees over a server's life
-                        del self.schedulers[config]
+                self._step()
         except BaseException as err:  # the loop itself broke: fail every job rather than leave clients hanging
             self.crashed = err
             with self.lock:
                 self.stopping = True
-            self._fail_all(Failed(500, f"engine stopped: {type(err).__name__}: {err}"))
+            self._fail_all(EngineError(500, f"engine stopped: {type(err).__name__}: {err}"))
             raise
-        self._fail_all(Failed(503, "the server shut down before this request finished"))
+        self._fail_all(EngineError(503, "the server shut down before this request finished"))
         self._report_load()
 
-    def _fail_all(self, event: Failed) -> None:
-        """End every job still known or still in the command queue with ``event``."""
+    def _fail_all(self, error: EngineError) -> None:
+        """End every job still known or still in the command queue with ``error``."""
         while True:
             try:
                 kind, job = self.commands.get_nowait()
             except queue.Empty:
                 break
             if kind == "submit":
-                self._end(job, event)
-        for job in list(self.jobs.values()) + list(self.waiting.values()):
-            self._end(job, event)
+                self._end(job, Failed(job.handle, error))
+        for job in list(self.jobs.values()):
+            self._end(job, Failed(job.handle, error))
 
     def _apply_commands(self) -> bool:
         """Apply queued submits and cancels; False once told to stop."""
@@ -226,66 +223,47 @@ class Engine:
             if kind == "submit":
                 self._submit(job)
             elif kind == "cancel" and not job.ended:
-                if job.handle is not None:
-                    self.schedulers[job.config].cancel(job.handle)
+                if job.handle in self.jobs:
+                    self.scheduler.cancel(job.handle)
                 self._forget(job)
 
     def _submit(self, job: Job) -> None:
-        sched = self.schedulers.get(job.config)
-        if sched is None:
-            gen = SpeculativeGenerator(self.target, job.drafter, tree=job.tree)
-            sched = self.schedulers[job.config] = Scheduler(gen, max_batch_size=self.max_batch_size)
         try:
-            job.handle = sched.submit(job.prompt_ids, job.max_new_tokens, **job.options)
-        except (ValueError, TypeError, NotImplementedError) as err:  # options the engine refuses: that request's 400
-            self._end(job, Failed(400, str(err)))
+            self.scheduler.add_drafter(job.drafter_key, job.drafter)
+            job.handle = self.scheduler.submit(job.prompt, job.max_new_tokens, drafter=job.drafter_key, tree=job.tree,
+                                               text=True, **job.options)
+        except (KeyError, ValueError, TypeError, NotImplementedError) as err:  # options refused: that request's 400
+            self._end(job, Failed(job.handle, EngineError(400, str(err.args[0]) if err.args else str(err))))
             return
         except Exception as err:  # anything else failing in one request's setup fails that request only
-            self._end(job, Failed(500, f"{type(err).__name__}: {err}"))
+            self._end(job, Failed(job.handle, EngineError(500, f"{type(err).__name__}: {err}")))
             return
-        self.jobs[(job.config, job.handle)] = job
-        self.waiting[id(job)] = job
+        self.jobs[job.handle] = job
 
-    def _admit(self) -> None:
-        """Let each scheduler admit its share of free rows, oldest waiting jobs first, over all schedulers.
-
-        A scheduler admits up to its ``max_batch_size``; setting it to its running
-        count plus its share keeps the total under the engine's cap.
-        """
-        free = self.max_batch_size - sum(len(s.running) for s in self.schedulers.values())
-        share = dict.fromkeys(self.schedulers, 0)
-        for job in list(self.waiting.values()):
-            if free <= 0:
-                break
-            share[job.config] += 1
-            free -= 1
-            del self.waiting[id(job)]
-        for config, sched in self.schedulers.items():
-            sched.max_batch_size = len(sched.running) + share[config]
-
-    def _step(self, config: Config, sched: Scheduler) -> None:
+    def _step(self) -> None:
         started = time.perf_counter()
-        committed = sched.step()
+        events = self.scheduler.step()
         now = time.perf_counter()
-        for handle, tokens in committed.items():
-            job = self.jobs[(config, handle)]
-            if not tokens:
+        self.observer.stepped(self.scheduler.counters)
+        for event in events:
+            job = self.jobs.get(event.handle)
+            if job is None:
                 continue
-            job.post(Tokens(tokens, now))
-            if job.generated == 0:  # its prefill: time to first token, queue wait included
-                self.observer.first_token(now - job.submitted_at)
-            else:
-                self.observer.tokens(len(tokens), (now - started) / len(tokens))
-            job.generated += len(tokens)
-        for (cfg, handle), job in list(self.jobs.items()):
-            if cfg == config and sched.finished(handle):
-                try:
-                    out = sched.result(handle)
-                except Exception as err:  # this generation's own step failed (Scheduler isolates it)
-                    self._end(job, Failed(500, f"generation failed: {type(err).__name__}: {err}"))
+            if isinstance(event, Tokens):
+                if not event.token_ids:
                     continue
-                self.observer.finished(out.stats)
-                self._end(job, Finished(out.stats))
+                if job.generated == 0:  # its prefill: time to first token, queue wait included
+                    self.observer.first_token(now - job.submitted_at)
+                else:
+                    self.observer.tokens(len(event.token_ids), (now - started) / len(event.token_ids))
+                job.generated += len(event.token_ids)
+                job.post(event)
+            elif isinstance(event, Finished):
+                self.observer.finished(event.output.stats)
+                self._end(job, event)
+            else:  # this generation's own step failed (the scheduler isolated it)
+                error = EngineError(500, f"generation failed: {type(event.error).__name__}: {event.error}")
+                self._end(job, Failed(event.handle, error))
 
     def _end(self, job: Job, event: Event) -> None:
         if job.ended:
@@ -297,13 +275,9 @@ class Engine:
         if job.ended:
             return
         job.ended = True
-        if job.handle is not None:
-            self.jobs.pop((job.config, job.handle), None)
-        self.waiting.pop(id(job), None)
+        self.jobs.pop(job.handle, None)
         with self.lock:
             self.in_flight -= 1
 
     def _report_load(self) -> None:
-        running = sum(len(s.running) for s in self.schedulers.values())
-        self.observer.load(running, len(self.waiting))
-
+        self.observer.load(len(self.scheduler.running), len(self.scheduler.queued))

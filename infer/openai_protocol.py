@@ -23,11 +23,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specgraft.infer.detokenize import Detokenizer
 
 # Speculation limits per request: a request picks its own tree, so its size is bounded here
 # (the target's cache keeps TREE_SLOTS = 1024 spare positions for a tree; a tree this size already
@@ -151,7 +150,7 @@ def refused_options(req: CompletionRequest | ChatCompletionRequest) -> str | Non
 
 
 def engine_options(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    """The request's sampling options as `SpeculativeGenerator._begin` takes them."""
+    """The request's sampling options as `Scheduler.submit` takes them."""
     return dict(
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
         seed=req.seed, stop=stop_strings(req), repetition_penalty=req.repetition_penalty,
@@ -173,25 +172,26 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 class TextStream:
     """Text deltas of a growing output with OpenAI's stop rule (the stop string is not returned).
 
-    While stop strings are set, the last ``longest stop - 1`` characters are
-    held back: they may be the start of a stop string the next tokens complete.
+    It reads the text the engine's detokenizer released step by step (`Tokens.text`)
+    and decodes nothing itself. While stop strings are set, the last ``longest
+    stop - 1`` characters are held back: they may be the start of a stop string
+    the next tokens complete.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
-        self.decode = decode
-        self.text = Detokenizer(decode)
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.text = ""
         self.stops = tuple(stops)
         self.hold = max(map(len, self.stops), default=1) - 1
         self.sent = 0
         self.stopped = False  # a stop string was found: nothing more is released
 
-    def add(self, tokens: Sequence[int]) -> str:
-        self.text.add(tokens)
-        return self._release(self.text.text, final=False)
+    def add(self, delta: str) -> str:
+        self.text += delta
+        return self._release(self.text, final=False)
 
-    def finish(self) -> str:
-        """The rest of the text, reconciled with one full decode (releasing any held-back characters)."""
-        return self._release(self.decode(self.text.ids), final=True)
+    def finish(self, text: str) -> str:
+        """The rest of the text, reconciled with the output's full decode ``text`` (releasing any held-back characters)."""
+        return self._release(text, final=True)
 
     def _release(self, text: str, final: bool) -> str:
         if self.stopped:

@@ -1,296 +1,420 @@
-"""Continuous batching: many generations advancing together, joining and leaving between steps.
+"""The one batch engine: every running generation advanced by one step, in one target forward.
 
-A server submits requests as they arrive and calls `Scheduler.step` in a
-loop; each step advances every running generation by one speculative step
-and returns the tokens each committed. A new generation joins between steps:
-its prompt is prefilled in its own forward (its first token), then it takes
-part in that same step's verification. One that finishes or is cancelled
-leaves at once and frees its cache row. Every generation owns its state
-(target cache row, drafter state, sampler, stop rule, stats), so rows never
-see each other; loaded weights are shared.
+A generation joins between steps: its prompt is prefilled in a forward of
+its own (its first token), then it takes part in that same step's
+verification. One that finishes, fails or is cancelled leaves at once and
+frees its rows. Each generation carries its own drafter (by name, from the
+scheduler's pool of loaded drafters), tree, sampling, acceptance rule, stop
+rule and stats (`Request`), so generations with different `speculative`
+settings share every step.
 
-One step: every row's tree is drafted, then one target forward verifies
-every row's tree over a `BatchedKVCache` (trees padded to the widest, a 4D
-mask per row, positions per row), then each row accepts and commits its own
-path. A `BatchDrafter` (Medusa, EAGLE, EAGLE-3) drafts all rows' trees
-together, its head run once per tree level for every row (each row keeps its
-own sampler, filters and depth), its draft caches rows of a batched cache of
-its own beside the target's; other drafters (prompt lookup, a draft model)
-draft row by row. Targets without the fast path (Hugging Face's forward)
-draft and verify row by row instead: transformers' caches hold one length
-for the whole batch.
+One step:
+
+1. Draft, grouped by drafter: a `BatchDrafter` (Medusa, EAGLE, EAGLE-3)
+   grows all its rows' trees at once, its neural work run once per tree level
+   for every row, in the rows of its own draft pool; other drafters (prompt
+   lookup, a draft model, layer skip, a composite) draft row by row. A row
+   with speculation off, or no room left to draft, is its root alone.
+2. Verify: one target forward over every row's nodes, packed (`Segment`s: a
+   plain row costs one token, not the widest tree's width), each row
+   attending over its own slots of the KV pool with its own tree mask.
+3. Accept and commit, row by row: the row's acceptance rule picks a path, its
+   cache row and its drafter keep only that path, its stop rule cuts the
+   tokens, and a `Tokens` event reports them.
+
+Memory is allocated once, at construction: the KV pool (rows x kv heads x
+slots x head_dim per layer, a length per row) and one draft pool per loaded
+`BatchDrafter`, whatever the number of drafter or tree settings requests use.
+
+Targets without the fast path (Hugging Face's forward) verify row by row,
+each generation with a cache of its own: transformers' caches hold one
+length for the whole batch.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
-from specgraft.heads.base import BatchDrafter, DraftRequest
-from specgraft.infer.stopping import StopRule
-from specgraft.model import TREE_SLOTS
-from specgraft.tree import Tree, batched_tree_inputs
+import torch
 
-if TYPE_CHECKING:
-    from specgraft.infer.generator import Decoding, GenerationOutput, Prompt, SpeculativeGenerator
+from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
+from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
+from specgraft.infer.request import Prompt, Request, new_request
+from specgraft.infer.verify import AcceptRule, accept, sample_accept
+from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
+from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
 T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
-# Options whose natural value is already a sequence: per-prompt values are a list of such values.
-SEQUENCE_OPTIONS = ("stop", "eos_token_id", "banned_token_ids")
+NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
 
 
 @dataclass
-class _Sequence:
-    """One submitted generation: its decoding state, stop rule and the tokens kept so far."""
+class EngineCounters:
+    """What the scheduler did, summed over its life (the server's /metrics reads them).
 
-    decoding: Decoding
-    rule: StopRule
-    token_ids: list[int] = field(default_factory=list)
-    row: int | None = None  # its row of the batched cache while running
+    ``verify_forwards`` counts target forwards that verified (one per step on
+    the fast path; one per row on Hugging Face's forward). The spec-decode
+    counters follow vLLM's: a draft is one row's step that verified at least
+    one draft token; ``accepted_per_position[i]`` counts drafts whose accepted
+    path reached depth i + 1.
+    """
+
+    steps: int = 0
+    verify_forwards: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, draft_tokens: int, accepted: int) -> None:
+        if not draft_tokens:
+            return
+        self.drafts += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
 
 class Scheduler:
-    """Runs many generations of one `SpeculativeGenerator` step by step.
+    """Runs many generations step by step, each with its own drafter, tree and options.
 
     Args:
-        generator: supplies the target, drafter, tree and option validation.
-        max_batch_size: most generations running at once; more wait in a queue, first come first served.
-        max_len: most tokens (prompt + new) of one generation: the slots each cache row holds
-            beside one tree. Default: the target's context, at most `DEFAULT_MAX_LEN`.
+        target: the frozen target.
+        drafters: name -> loaded drafter, the pool requests pick from by name (``"none"`` is
+            always there: speculation off). More can join with `add_drafter`.
+        max_batch_size: most generations running at once (rows of the KV pool); more wait in a
+            queue, first come first served.
+        max_len: most tokens (prompt + new) of one generation: the slots each row holds beside one
+            tree. Default: the target's context, at most `DEFAULT_MAX_LEN`.
+        default_drafter, default_tree, default_acceptance: what `submit` uses when a request names none.
 
     Usage::
 
-        sched = gen.scheduler(max_batch_size=16)
-        h = sched.submit("Once upon a time", max_new_tokens=64, temperature=0.7, seed=1)
-        while not sched.finished(h):
-            new_tokens = sched.step()          # {handle: tokens committed by this step}
-        out = sched.result(h)                  # a GenerationOutput, handed over once
+        sched = Scheduler(target, {"eagle": sg.load_drafter("runs/eagle/head", target)}, max_batch_size=16)
+        a = sched.submit("Once upon a time", max_new_tokens=64, drafter="eagle", tree=sg.Chain(4))
+        b = sched.submit("One day", max_new_tokens=64, temperature=0.7, seed=1)   # speculation off
+        while not sched.idle:
+            for event in sched.step():          # Tokens, then Finished (or Failed), per generation
+                ...
     """
 
-    def __init__(self, generator: SpeculativeGenerator, *, max_batch_size: int = 16, max_len: int | None = None) -> None:
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+    def __init__(
+        self,
+        target: Target,
+        drafters: Mapping[str, Drafter | None] | None = None,
+        *,
+        max_batch_size: int = 16,
+        max_len: int | None = None,
+        default_drafter: str = NO_DRAFTER,
+        default_tree: TreePolicy | None = None,
+        default_acceptance: AcceptRule = sample_accept,
+    ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-        target = generator.target
         self.max_len = max_len or min(target.max_context, DEFAULT_MAX_LEN)
         if not 1 <= self.max_len <= target.max_context:
             raise ValueError(f"max_len={max_len} must lie in [1, {target.max_context}] (the target's context)")
-        self.generator = generator
+        self.target = target
         self.max_batch_size = max_batch_size
-        self.cache = target.new_batched_cache(max_batch_size, self.max_len + TREE_SLOTS)  # None: row by row
-        drafter = generator.drafter
-        # A drafter that drafts every row together, and its draft caches' rows (row r beside the target's row r).
-        self.batch_drafter = drafter if self.cache is not None and isinstance(drafter, BatchDrafter) else None
-        self.draft_rows = None if self.batch_drafter is None else drafter.new_rows(max_batch_size, self.max_len + TREE_SLOTS)
-        self.queued: OrderedDict[int, _Sequence] = OrderedDict()
-        self.running: OrderedDict[int, _Sequence] = OrderedDict()
-        self.done: dict[int, GenerationOutput] = {}
-        self.failed: dict[int, Exception] = {}  # a row whose step raised: only that generation fails
+        self.pool = target.new_batched_cache(max_batch_size, self.max_len + TREE_SLOTS)  # None: row by row
+        self.drafters: dict[str, Drafter | None] = {NO_DRAFTER: None}
+        self.draft_pools: dict[str, BatchedKVCache | None] = {}  # batch drafters' rows (None: one keeps no cache)
+        for name, drafter in (drafters or {}).items():
+            self.add_drafter(name, drafter)
+        if default_drafter not in self.drafters:
+            raise ValueError(f"default_drafter {default_drafter!r} is not loaded: loaded are {', '.join(self.drafters)}")
+        self.default_drafter = default_drafter
+        self.default_tree = default_tree if default_tree is not None else Chain(depth=5)
+        self.default_acceptance = default_acceptance
+        self.queued: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+        self.counters = EngineCounters()
         self._next_handle = 0
 
-    def submit(self, prompt: Prompt, max_new_tokens: int = 128, **options: Any) -> int:
-        """Queue a generation; returns its handle. Bad options raise here, before anything runs."""
-        decoding, rule = self.generator._begin(prompt, max_new_tokens, **options)
-        if len(decoding.prompt_ids) + rule.max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt ({len(decoding.prompt_ids)} tokens) + max_new_tokens ({rule.max_new_tokens}) exceeds "
-                f"this scheduler's max_len of {self.max_len} tokens"
-            )
-        handle = self._next_handle
-        self._next_handle += 1
-        self.queued[handle] = _Sequence(decoding, rule)
-        return handle
+    # ------------------------------------------------------------------ the pool
 
-    def step(self) -> dict[int, list[int]]:
-        """Admit queued generations into free rows, then advance every running one by one step.
-
-        Returns the tokens each generation committed in this step (a newly
-        admitted one: its first token, from its prefill, and its first
-        step's). Finished generations leave the batch within the step. A
-        generation whose own work raises (a drafter failing on its input, a
-        refused option found late) leaves too, and `result` re-raises its
-        error: one generation's fault never stops the others.
-        """
-        committed: dict[int, list[int]] = {}
-        while self.queued and len(self.running) < self.max_batch_size:
-            handle, seq = self.queued.popitem(last=False)
-            if self.cache is not None:
-                seq.row, seq.decoding.cache = self.cache.acquire()
-                if self.draft_rows is not None:
-                    _, seq.decoding.draft_cache = self.draft_rows.acquire(seq.row)
-            self.running[handle] = seq
-            kept = self._isolated(handle, lambda: seq.decoding.advance(seq.rule))  # prefill: the first token
-            if kept is not None:
-                committed[handle] = self._keep(seq, kept)
-        live = [(h, seq) for h, seq in self.running.items() if not seq.rule.done]
-        if self.cache is not None and live:
-            for handle, kept in self._verify_together(live).items():
-                committed[handle] = committed.get(handle, []) + kept
-        else:
-            for handle, seq in live:
-                kept = self._isolated(handle, lambda: seq.decoding.advance(seq.rule))
-                if kept is not None:
-                    committed[handle] = committed.get(handle, []) + self._keep(seq, kept)
-        for handle, seq in list(self.running.items()):
-            if seq.rule.done:
-                self._leave(handle)
-                self.done[handle] = self._output(seq)
-        return committed
-
-    def _verify_together(self, live: list[tuple[int, _Sequence]]) -> dict[int, list[int]]:
-        """One speculative step for every live row: each drafts its tree, one forward verifies them all."""
-        target = self.generator.target
-        trees, prefixes = {}, {}
-        together: list[tuple[int, _Sequence, DraftRequest]] = []  # rows the batch drafter drafts in one go
-        for handle, seq in live:
-            seq.decoding.recorder.begin_step()
-            max_depth = seq.rule.remaining() - 1
-            request = seq.decoding.draft_request(max_depth, seq.row) if self.batch_drafter is not None else None
-            if request is not None:
-                together.append((handle, seq, request))
-                continue
-            tree = self._isolated(handle, lambda: seq.decoding.propose(max_depth))
-            if tree is not None:
-                prefixes[seq.row], trees[seq.row] = len(seq.decoding.cache), tree
-        for (handle, seq, _), tree in zip(together, self._propose_together(together)):
-            if tree is not None:
-                prefixes[seq.row], trees[seq.row] = len(seq.decoding.cache), tree
-        live = [(h, seq) for h, seq in live if h in self.running]
-        if not live:
-            return {}
-        batch = max(trees) + 1  # rows 0..batch-1 run; free rows among them are padding only
-        tokens, positions, mask = batched_tree_inputs(
-            [trees.get(r) for r in range(batch)], [prefixes.get(r, 0) for r in range(batch)], target.dtype
-        )
-        out = target.forward_rows(tokens, self.cache, positions, mask, hidden_layers=live[0][1].decoding.hidden_layers)
-        kept = {}
-        for handle, seq in live:
-            row, n = seq.row, trees[seq.row].num_nodes
-            hidden = {i: h[row, :n] for i, h in out.hidden.items()}
-
-            def finish(seq=seq, row=row, n=n, hidden=hidden) -> list[int]:
-                result = seq.decoding.commit(trees[row], prefixes[row], out.logits[row, :n], hidden)
-                return seq.decoding.record(seq.rule, result)
-
-            tokens = self._isolated(handle, finish)
-            if tokens is not None:
-                kept[handle] = self._keep(seq, tokens)
-        return kept
-
-    def _propose_together(self, together: list[tuple[int, _Sequence, DraftRequest]]) -> list[Tree | None]:
-        """The batch drafter's trees for these rows, in one go. If it raises, the rows draft again one by one,
-        so that only a row whose own draft fails leaves (None)."""
-        if not together:
-            return []
-        try:
-            trees = self.batch_drafter.propose_batch([request for _, _, request in together], self.draft_rows)
-        except Exception:  # whose fault is unknown: each row drafts alone, isolated
-            return [self._isolated(h, lambda: seq.decoding.propose(request.max_depth)) for h, seq, request in together]
-        return [tree.to(self.generator.target.device) for tree in trees]
-
-    def _isolated(self, handle: int, work: Callable[[], T]) -> T | None:
-        """Run one generation's own work; if it raises, that generation alone fails and leaves (None)."""
-        try:
-            return work()
-        except Exception as err:  # any error of this row's own work: isolate it, keep serving the others
-            self._leave(handle)
-            self.failed[handle] = err
-            return None
-
-    @staticmethod
-    def _keep(seq: _Sequence, tokens: list[int]) -> list[int]:
-        seq.token_ids.extend(tokens)
-        return tokens
-
-    def _leave(self, handle: int) -> None:
-        """Take a generation out of the running batch and free its cache row."""
-        seq = self.running.pop(handle)
-        if seq.row is not None:
-            self.cache.release(seq.row)
-            if self.draft_rows is not None:
-                self.draft_rows.release(seq.row)
-            seq.row = None
-
-    def finished(self, handle: int) -> bool:
-        """Whether the generation has finished or failed (its result is waiting). Unknown handles raise KeyError."""
-        self._check(handle)
-        return handle in self.done or handle in self.failed
-
-    def result(self, handle: int) -> GenerationOutput:
-        """The finished generation's output, handed over once (the handle is then forgotten).
+    def add_drafter(self, name: str, drafter: Drafter | None) -> None:
+        """Load ``drafter`` into the pool as ``name`` (a batch drafter's draft pool is allocated now, once).
 
         Raises:
-            Exception: the error a failed generation's step raised.
+            ValueError: ``name`` already names another drafter.
+            TypeError: an object that is not a `Drafter`.
         """
-        self._check(handle)
-        if handle in self.failed:
-            raise self.failed.pop(handle)
-        if handle not in self.done:
-            raise ValueError(f"generation {handle} has not finished: step() until finished({handle})")
-        return self.done.pop(handle)
+        if name in self.drafters:
+            if self.drafters[name] is not drafter:
+                raise ValueError(f"drafter name {name!r} is taken by another drafter")
+            return
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter {type(drafter).__name__} does not implement the Drafter protocol")
+        self.drafters[name] = drafter
+        if self.pool is not None and isinstance(drafter, BatchDrafter):
+            self.draft_pools[name] = drafter.new_rows(self.max_batch_size, self.max_len + TREE_SLOTS)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the target's KV pool (0 on Hugging Face's forward, whose caches grow per generation)."""
+        return 0 if self.pool is None else self.pool.nbytes
+
+    @property
+    def draft_pool_bytes(self) -> int:
+        """Bytes of the loaded batch drafters' draft pools."""
+        return sum(p.nbytes for p in self.draft_pools.values() if p is not None)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        *,
+        drafter: str | None = None,
+        tree: TreePolicy | None = None,
+        acceptance: AcceptRule | None = None,
+        text: bool = False,
+        **options: Any,
+    ) -> int:
+        """Queue a generation; returns its handle. Bad options raise here, before anything runs.
+
+        Args:
+            drafter: the name of a loaded drafter (see `add_drafter`); ``"none"`` decodes plainly.
+            tree: how its drafter grows trees.
+            acceptance: the stochastic acceptance rule (`sample_accept`, exact; or `lossy_typical_accept`).
+            (None: the scheduler's defaults for each of the three.)
+            text: report the text each step released in its `Tokens` event.
+            options: as `new_request` takes them (temperature, top_k, top_p, min_p, banned_token_ids,
+                seed, eos_token_id, stop, ...).
+
+        Raises:
+            KeyError: an unknown drafter name (the message lists the loaded ones).
+        """
+        drafter = self.default_drafter if drafter is None else drafter
+        if drafter not in self.drafters:
+            raise KeyError(f"unknown drafter {drafter!r}: loaded are {', '.join(self.drafters)}")
+        request = new_request(
+            self.target, self._next_handle, prompt, max_new_tokens, max_len=self.max_len, drafter_name=drafter,
+            drafter=self.drafters[drafter], tree=self.default_tree if tree is None else tree,
+            acceptance=self.default_acceptance if acceptance is None else acceptance, text=text, **options,
+        )
+        self._next_handle += 1
+        self.queued.append(request)
+        return request.handle
 
     def cancel(self, handle: int) -> None:
-        """Stop a queued or running generation now and free its rows; its handle is forgotten."""
-        self._check(handle)
-        if handle in self.running:
-            self._leave(handle)
-        for table in (self.queued, self.done, self.failed):
-            table.pop(handle, None)
+        """Stop a queued or running generation now and free its rows; it emits no more events.
 
-    def tokens(self, handle: int) -> list[int]:
-        """The tokens a queued or running generation has kept so far."""
-        self._check(handle)
-        seq = self.queued.get(handle) or self.running.get(handle)
-        if seq is not None:
-            return list(seq.token_ids)
-        return list(self.done[handle].token_ids) if handle in self.done else []
+        Raises:
+            KeyError: a handle that is neither queued nor running (never submitted, or already ended).
+        """
+        if handle in self.running:
+            self._leave(self.running[handle])
+            return
+        for request in self.queued:
+            if request.handle == handle:
+                self.queued.remove(request)
+                return
+        raise KeyError(f"generation {handle!r} is neither queued nor running (never submitted, or already ended)")
 
     @property
     def idle(self) -> bool:
         """Nothing queued or running."""
         return not self.queued and not self.running
 
-    def _check(self, handle: int) -> None:
-        if not any(handle in table for table in (self.queued, self.running, self.done, self.failed)):
-            raise KeyError(f"unknown generation handle {handle!r} (never submitted, cancelled, or its result was taken)")
+    # ------------------------------------------------------------------ the step
 
-    def _output(self, seq: _Sequence) -> GenerationOutput:
-        from specgraft.infer.generator import GenerationOutput
+    def step(self) -> list[Event]:
+        """Admit queued generations into free rows, then advance every running one by one step.
 
-        return GenerationOutput(
-            token_ids=seq.token_ids, text=self.generator.target.decode(seq.token_ids), stats=seq.decoding.recorder.finish()
-        )
+        Returns what happened, in order: a newly admitted generation's first
+        token (its prefill) and then its first step's tokens, as two `Tokens`
+        events; every other running generation's step tokens; a `Finished`
+        for each that ended; a `Failed` for each whose own work raised (a
+        drafter failing on its input, say): it leaves, the others go on.
+        """
+        events: list[Event] = []
+        while self.queued and len(self.running) < self.max_batch_size:
+            request = self.queued.popleft()
+            self.running[request.handle] = request
+            self._isolated(request, events, lambda: self._prefill(request, events))
+        live = [r for r in self.running.values() if not r.rule.done]
+        if live:
+            self._advance(live, events)
+        for request in list(self.running.values()):
+            if request.rule.done:
+                self._leave(request)
+                output = GenerationOutput(
+                    request.token_ids, self.target.decode(request.token_ids), request.recorder.finish()
+                )
+                events.append(Finished(request.handle, output))
+        return events
 
-
-def per_prompt_options(count: int, **options: Any) -> list[dict[str, Any]]:
-    """Split options into one dict per prompt: each is one value for all, or a list of ``count`` values.
-
-    ``stop``, ``eos_token_id`` and ``banned_token_ids`` take sequences as a single
-    value, so for them only a list whose items are themselves lists (or None)
-    is read as one value per prompt.
-
-    Raises:
-        ValueError: a per-prompt list whose length is not the number of prompts.
-    """
-    split = [dict() for _ in range(count)]
-    for key, value in options.items():
-        if _per_prompt(key, value):
-            if len(value) != count:
-                raise ValueError(f"option {key!r} has {len(value)} values for {count} prompts: give one value or one per prompt")
-            for opts, v in zip(split, value):
-                opts[key] = v
+    def _prefill(self, request: Request, events: list[Event]) -> None:
+        """Take rows and run the prompt; the target's choice after it is the root (the first token)."""
+        if self.pool is not None:
+            request.row, request.cache = self.pool.acquire()
         else:
-            for opts in split:
-                opts[key] = value
-    return split
+            request.cache = self.target.new_cache()
+        ids = request.prompt_ids[None]  # (1, S)
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        out = self.target.forward(ids, request.cache, positions, hidden_layers=request.hidden_layers, last_only=True)
+        if request.drafter is not None:
+            hidden = {i: h[0] for i, h in out.hidden.items()}
+            draft_pool = self.draft_pools.get(request.drafter_name)
+            if draft_pool is not None:
+                request.draft_row, draft_cache = draft_pool.acquire()
+                request.draft = request.drafter.start(request.prompt_ids, hidden, cache=draft_cache)
+            else:
+                request.draft = request.drafter.start(request.prompt_ids, hidden)
+        last = out.logits[0, -1]  # (V,)
+        sampling = request.sampling
+        request.root = int(sampling.ban(last).argmax()) if sampling.greedy else sampling.draw_one(sampling.probs(last))
+        request.recorder.first_token()
+        request.recorder.observe_kv(len(request.cache))
+        self._emit(request, request.rule.accept([request.root]), events)
 
+    def _advance(self, live: list[Request], events: list[Event]) -> None:
+        """One speculative step for every live row: draft, one verification forward, per-row commits."""
+        self.counters.steps += 1
+        for request in live:
+            request.recorder.begin_step()
+        trees = self._draft(live, events)
+        live = [r for r in live if r.handle in trees]
+        if not live:
+            return
+        prefixes = {r.handle: len(r.cache) for r in live}
+        verified = self._verify(live, trees, prefixes, events)
+        for request in live:
+            if request.handle in verified:
+                logits, hidden = verified[request.handle]
+                tree, prefix = trees[request.handle], prefixes[request.handle]
+                self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
 
-def _per_prompt(key: str, value: Any) -> bool:
-    if not isinstance(value, (list, tuple)):
-        return False
-    if key in SEQUENCE_OPTIONS:
-        return len(value) > 0 and all(v is None or isinstance(v, (list, tuple)) for v in value)
-    return True
+    def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
+        """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
+        trees: dict[int, Tree] = {}
+        together: dict[str, list[tuple[Request, DraftRequest]]] = {}
+        for request in live:
+            max_depth = request.rule.remaining() - 1
+            request.drafted = request.draft is not None and max_depth >= 1
+            if not request.drafted:
+                trees[request.handle] = Tree.root_only(request.root, self.target.device)
+            elif request.drafter_name in self.draft_pools:
+                draft = DraftRequest(request.draft, request.root, request.tree, max_depth, request.sampling,
+                                     request.draft_row or 0)
+                together.setdefault(request.drafter_name, []).append((request, draft))
+            else:
+                tree = self._isolated(request, events, lambda: request.draft.propose(
+                    request.root, request.tree, max_depth, request.sampling))
+                if tree is not None:
+                    trees[request.handle] = tree.to(self.target.device)
+        for name, group in together.items():
+            trees.update(self._draft_together(name, group, events))
+        return trees
+
+    def _draft_together(self, name: str, group: list[tuple[Request, DraftRequest]], events: list[Event]) -> dict[int, Tree]:
+        """A batch drafter's trees for its rows, in one go. If it raises, the rows draft again one by one,
+        so that only a row whose own draft fails leaves."""
+        drafter = self.drafters[name]
+        try:
+            proposed = drafter.propose_batch([draft for _, draft in group], self.draft_pools[name])
+            return {r.handle: tree.to(self.target.device) for (r, _), tree in zip(group, proposed, strict=True)}
+        except Exception:  # whose fault is unknown: each row drafts alone, isolated
+            trees = {}
+            for request, draft in group:
+                tree = self._isolated(request, events, lambda: drafter.propose_batch([draft], self.draft_pools[name])[0])
+                if tree is not None:
+                    trees[request.handle] = tree.to(self.target.device)
+            return trees
+
+    def _verify(
+        self, live: list[Request], trees: dict[int, Tree], prefixes: dict[int, int], events: list[Event]
+    ) -> dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """Every live row's (logits (N_r, V), hidden layer -> (N_r, H)) at its tree's nodes.
+
+        One forward over all rows, packed; a single row runs on its own cache row (the same maths without
+        the packing); Hugging Face's forward runs each row on its own cache.
+        """
+        if self.pool is None or len(live) == 1:
+            verified = {}
+            for request in live:
+                tree, prefix = trees[request.handle], prefixes[request.handle]
+
+                def forward(request=request, tree=tree, prefix=prefix):
+                    mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
+                    out = self.target.forward(tree.tokens[None], request.cache, tree_position_ids(tree, prefix), mask,
+                                              hidden_layers=request.hidden_layers)
+                    return out.logits[0], {i: h[0] for i, h in out.hidden.items()}
+
+                self.counters.verify_forwards += 1
+                result = self._isolated(request, events, forward)
+                if result is not None:
+                    verified[request.handle] = result
+            return verified
+        segments, tokens, positions = [], [], []
+        for request in live:
+            tree, prefix = trees[request.handle], prefixes[request.handle]
+            segments.append(Segment(request.row, tree.num_nodes, None if tree.is_chain else tree.ancestor_mask()))
+            tokens.append(tree.tokens)
+            positions.append(prefix + tree.depth)
+        layers = tuple(sorted({i for r in live for i in r.hidden_layers}))
+        self.counters.verify_forwards += 1
+        out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
+        verified, offset = {}, 0
+        for request, segment in zip(live, segments):
+            part = slice(offset, offset + segment.size)
+            verified[request.handle] = (out.logits[part], {i: out.hidden[i][part] for i in request.hidden_layers})
+            offset += segment.size
+        return verified
+
+    def _commit(
+        self, request: Request, tree: Tree, prefix: int, logits: torch.Tensor, hidden: dict[int, torch.Tensor],
+        events: list[Event],
+    ) -> None:
+        """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens."""
+        kv_peak = prefix + tree.num_nodes + (request.draft.cache_tokens() if request.draft is not None else 0)
+        accepted = accept(tree, logits, request.sampling, request.acceptance)
+        request.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
+        if request.draft is not None:
+            request.draft.commit(tree.tokens[accepted.path], {i: h[accepted.path] for i, h in hidden.items()},
+                                 accepted.path if request.drafted else None)
+        request.root = accepted.next_token
+        committed = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
+        self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
+        kept = request.rule.accept(committed)
+        request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
+        self._emit(request, kept, events)
+
+    def _emit(self, request: Request, kept: list[int], events: list[Event]) -> None:
+        request.token_ids.extend(kept)
+        text = ""
+        if request.text is not None:
+            text = request.text.text[request.released:]
+            request.released = len(request.text.text)
+        events.append(Tokens(request.handle, kept, text))
+
+    def _isolated(self, request: Request, events: list[Event], work: Callable[[], T]) -> T | None:
+        """Run one generation's own work; if it raises, that generation alone fails and leaves (None)."""
+        try:
+            return work()
+        except Exception as err:  # any error of this row's own work: isolate it, keep serving the others
+            if request.handle in self.running:
+                self._leave(request)
+                events.append(Failed(request.handle, err))
+            return None
+
+    def _leave(self, request: Request) -> None:
+        """Take a generation out of the running batch and free its rows."""
+        self.running.pop(request.handle, None)
+        if request.row is not None:
+            self.pool.release(request.row)
+            request.row = None
+        if request.draft_row is not None:
+            self.draft_pools[request.drafter_name].release(request.draft_row)
+            request.draft_row = None

@@ -1,10 +1,12 @@
-"""What `specgraft serve` exposes at /metrics (Prometheus text): load, tokens, target calls, tau, latencies."""
+"""What `specgraft serve` exposes at /metrics (Prometheus text): load, tokens, target calls, tau, latencies,
+the engine's steps and verification forwards, vLLM's spec-decode counters, and the KV pool's size."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specgraft.infer.engine import EngineObserver
+from specgraft.infer.scheduler import EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats
 
 # Buckets for TTFT and inter-token latency: from a tiny model's sub-millisecond steps up to a queued request's seconds.
@@ -12,16 +14,24 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class Metrics(EngineObserver):
-    """Prometheus metrics in a registry of this server's own (two servers in one process never mix)."""
+    """Prometheus metrics in a registry of this server's own (two servers in one process never mix).
+
+    The spec-decode counters carry vLLM's names (``vllm:spec_decode_num_drafts`` ...) under our prefix:
+    a draft is one row's step that verified at least one draft token; accepted tokens per position
+    count the drafts whose accepted path reached that depth (label ``position``, from 0).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._calls, self._committed = 0, 0.0  # totals behind the tau gauge
+        self._counted = EngineCounters()  # the engine's counters as last exported
         r = self.registry
         self.requests = Counter("specgraft_requests", "Requests by HTTP status (499: client went away)", ["status"], registry=r)
         self.generated = Counter("specgraft_generated_tokens", "Tokens generated", registry=r)
-        self.target_calls = Counter("specgraft_target_calls", "Target forward passes, prefill included", registry=r)
-        self.decode_calls = Counter("specgraft_decode_target_calls", "Target forward passes after prefill", registry=r)
+        self.target_calls = Counter("specgraft_target_calls", "Target forward passes per generation, prefill included",
+                                    registry=r)
+        self.decode_calls = Counter("specgraft_decode_target_calls", "Verification steps per generation (after prefill)",
+                                    registry=r)
         self.committed = Counter("specgraft_committed_tokens", "Tokens committed by those decode passes", registry=r)
         self.mean_accepted = Gauge("specgraft_mean_accepted_length", "Committed tokens per decode target call (tau)", registry=r)
         self.running = Gauge("specgraft_running_sequences", "Generations holding cache rows", registry=r)
@@ -30,6 +40,27 @@ class Metrics(EngineObserver):
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specgraft_inter_token_latency_seconds", "Step time / tokens the step committed",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("specgraft_engine_steps", "Engine steps that advanced running generations", registry=r)
+        self.verify_forwards = Counter(
+            "specgraft_engine_verify_forwards",
+            "Target forwards that verified drafts: one per step on the fast path, one per row on Hugging Face's forward",
+            registry=r,
+        )
+        self.drafts = Counter("specgraft_spec_decode_num_drafts", "Row steps that verified draft tokens", registry=r)
+        self.draft_tokens = Counter("specgraft_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted_tokens = Counter("specgraft_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_position = Counter(
+            "specgraft_spec_decode_num_accepted_tokens_per_pos", "Drafts whose accepted path reached this depth",
+            ["position"], registry=r,
+        )
+        self.kv_pool_bytes = Gauge("specgraft_kv_pool_bytes", "Bytes of the target's KV pool, allocated at start",
+                                   registry=r)
+        self.draft_pool_bytes = Gauge("specgraft_draft_pool_bytes", "Bytes of the batch drafters' draft KV pools",
+                                      registry=r)
+
+    def started(self, scheduler: Scheduler) -> None:
+        self.kv_pool_bytes.set(scheduler.pool_bytes)
+        self.draft_pool_bytes.set(scheduler.draft_pool_bytes)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -51,3 +82,18 @@ class Metrics(EngineObserver):
     def load(self, running: int, queued: int) -> None:
         self.running.set(running)
         self.queued.set(queued)
+
+    def stepped(self, counters: EngineCounters) -> None:
+        """Export what the engine's counters gained since the last step (only the engine thread calls this)."""
+        last = self._counted
+        for metric, name in ((self.steps, "steps"), (self.verify_forwards, "verify_forwards"), (self.drafts, "drafts"),
+                             (self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens")):
+            gained = getattr(counters, name) - getattr(last, name)
+            if gained:
+                metric.inc(gained)
+                setattr(last, name, getattr(counters, name))
+        for position, count in enumerate(counters.accepted_per_position):
+            before = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
+            if count > before:
+                self.accepted_per_position.labels(str(position)).inc(count - before)
+        last.accepted_per_position = list(counters.accepted_per_position)

@@ -4,9 +4,10 @@
         --default-drafter prompt-lookup --max-batch-size 16 --port 8000
 
 A thin layer (FastAPI + uvicorn, as vLLM's server): it parses OpenAI's
-requests, picks each request's drafter from its ``speculative`` field, hands
-the generation to the `Engine` thread and streams the tokens back as text. It
-never decodes by itself. Routes: ``POST /v1/completions``,
+requests, picks each request's drafter and tree from its ``speculative``
+field, hands the generation to the `Engine` thread (one scheduler: requests
+with different settings share every target forward) and streams back the
+text the engine's detokenizer released. It never decodes by itself. Routes: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus).
 """
@@ -30,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
-from specgraft.infer.engine import Config, Engine, Failed, Finished, Job, QueueFull, Tokens
+from specgraft.infer.engine import Engine, Job, QueueFull
+from specgraft.infer.events import Failed, Finished, Tokens
 from specgraft.infer.openai_protocol import (
     COMPLETION_MAX_TOKENS,
     MAX_SPECULATIVE_TOKENS,
@@ -47,6 +49,7 @@ from specgraft.infer.openai_protocol import (
     refused_options,
     stop_strings,
 )
+from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.serve_metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
@@ -66,6 +69,17 @@ class HTTPError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a request's ``speculative`` field picks: the drafter (its pool key, and the name stats report) and tree."""
+
+    key: str  # the drafter's name in the engine's pool
+    drafter: Drafter | None
+    tree: TreePolicy
+    name: str  # the drafter the request named (resolved from "auto")
+    tree_label: str | None  # the tree stats report (None: no tree, as for prompt lookup or speculation off)
+
+
 @dataclass
 class ServerState:
     """What the routes share: the target, the loaded drafters, the engine and the metrics."""
@@ -80,7 +94,7 @@ class ServerState:
     api_key: str | None = None
     prompt_lookups: dict[int, PromptLookup] = field(default_factory=dict)  # one per num_speculative_tokens
 
-    def resolve(self, spec: Speculative | None) -> tuple[Config, Drafter | None, TreePolicy]:
+    def resolve(self, spec: Speculative | None) -> Choice:
         """The drafter and tree a request's ``speculative`` field picks; errors name what is available."""
         spec = spec or Speculative()
         name = self.default_drafter if spec.drafter == "auto" else spec.drafter
@@ -92,7 +106,7 @@ class ServerState:
                             param="speculative")
         drafter = self.drafters[name]
         if drafter is None:
-            return Config("none", "none"), None, self.default_tree
+            return Choice(name, None, self.default_tree, name, None)
         tree = self.default_tree
         if spec.num_speculative_tokens is not None:
             tree = Chain(depth=spec.num_speculative_tokens)
@@ -101,10 +115,10 @@ class ServerState:
         if isinstance(drafter, PromptLookup):  # copies tokens, ignores trees: K is how many it copies
             k = spec.num_speculative_tokens
             if k is None:
-                return Config(name, "default"), drafter, tree
-            drafter = self.prompt_lookups.setdefault(k, PromptLookup(num_tokens=k))
-            return Config(name, f"num_tokens={k}"), drafter, tree
-        return Config(name, repr(tree)), drafter, tree
+                return Choice(name, drafter, tree, name, None)
+            lookup = self.prompt_lookups.setdefault(k, PromptLookup(num_tokens=k))
+            return Choice(f"{name}:num_tokens={k}", lookup, tree, name, None)
+        return Choice(name, drafter, tree, name, repr(tree))
 
     def available(self) -> list[str]:
         return ["auto", *self.drafters]
@@ -140,7 +154,7 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
     return tree
 
 
-def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> PromptIds:
     """The target's chat template applied to the messages, ready for the assistant's turn.
 
     A target without a template (a base model such as stories260K) gets the
@@ -151,29 +165,27 @@ def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]
         raise HTTPError(400, f"target {target.name!r} has no tokenizer: chat needs one")
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return [int(i) for i in ids]
-    return target.encode("\n".join(m["content"] for m in messages))
+        return checked(target, [int(i) for i in ids], "messages")
+    return checked(target, "\n".join(m["content"] for m in messages), "messages")
 
 
-def completion_prompt_ids(target: Target, prompt: str | list) -> list[int]:
+def completion_prompt_ids(target: Target, prompt: str | list) -> PromptIds:
     """One prompt's token ids: a string, a list of token ids, or a one-item list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
         raise HTTPError(400, f"prompt holds {len(prompt)} prompts: one prompt per request", param="prompt")
-    if not prompt:
-        raise HTTPError(400, "prompt is empty", param="prompt")
-    if isinstance(prompt, str):
-        if target.tokenizer is None:
-            raise HTTPError(400, f"target {target.name!r} has no tokenizer: send token ids", param="prompt")
-        ids = target.encode(prompt)
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise HTTPError(400, "prompt is empty: it has no tokens", param="prompt")
-    if not all(0 <= t < target.vocab_size for t in ids):
-        raise HTTPError(400, f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
-    return ids
+    if isinstance(prompt, str) and prompt and target.tokenizer is None:
+        raise HTTPError(400, f"target {target.name!r} has no tokenizer: send token ids", param="prompt")
+    return checked(target, prompt, "prompt")
+
+
+def checked(target: Target, prompt: str | list[int], param: str) -> PromptIds:
+    """The engine's own check of a prompt (`check_prompt`), once, as a 400 naming the request's field."""
+    try:
+        return check_prompt(target, prompt)
+    except ValueError as err:
+        raise HTTPError(400, str(err), param=param) from None
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -200,7 +212,7 @@ def create_app(
     if default_drafter not in drafters:
         raise ValueError(f"--default-drafter {default_drafter!r} is not loaded: choose from {', '.join(drafters)}")
     metrics = Metrics()
-    engine = Engine(target, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
+    engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
     state = ServerState(
         target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree or Chain(depth=5),
         model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,
@@ -272,9 +284,9 @@ def create_app(
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if budget is None:  # as vLLM: the rest of the context
-            budget = target.max_context - len(ids)
+            budget = target.max_context - len(ids.ids)
             if budget < 1:
-                raise HTTPError(400, f"prompt ({len(ids)} tokens) fills the target's context of {target.max_context} tokens",
+                raise HTTPError(400, f"prompt ({len(ids.ids)} tokens) fills the target's context of {target.max_context} tokens",
                                 param="messages")
         return await serve(state, request, body, ids, budget, chat=True, budget_field=field)
 
@@ -304,7 +316,7 @@ class Reply:
 
 
 async def serve(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                prompt_ids: list[int], max_tokens: int, *, chat: bool, budget_field: str) -> Response:
+                prompt_ids: PromptIds, max_tokens: int, *, chat: bool, budget_field: str) -> Response:
     """Validate, submit, wait for the first event (so a refused option is still a 4xx), then answer.
 
     ``budget_field``: the request's field that set ``max_tokens``, for the error that names it.
@@ -315,24 +327,24 @@ async def serve(state: ServerState, request: Request, body: CompletionRequest | 
     why = refused_options(body)
     if why:
         raise HTTPError(400, why)
-    if len(prompt_ids) + max_tokens > state.target.max_context:
-        raise HTTPError(400, f"prompt ({len(prompt_ids)} tokens) + {budget_field} ({max_tokens}) exceeds the "
+    if len(prompt_ids.ids) + max_tokens > state.target.max_context:
+        raise HTTPError(400, f"prompt ({len(prompt_ids.ids)} tokens) + {budget_field} ({max_tokens}) exceeds the "
                         f"target's context of {state.target.max_context} tokens", param=budget_field)
-    config, drafter, tree = state.resolve(body.speculative)
-    loop = asyncio.get_running_loop()
-    job = Job(config=config, drafter=drafter, tree=tree, prompt_ids=prompt_ids, max_new_tokens=max_tokens,
-              options=engine_options(body), loop=loop)
+    choice = state.resolve(body.speculative)
+    job = Job(drafter_key=choice.key, drafter=choice.drafter, tree=choice.tree, prompt=prompt_ids,
+              max_new_tokens=max_tokens, options=engine_options(body), loop=asyncio.get_running_loop(),
+              drafter_name=choice.name, tree_label=choice.tree_label)
     try:
         state.engine.submit(job)
     except QueueFull as err:
         raise HTTPError(503, f"server busy: {err}; retry after {RETRY_AFTER_S}s", code="server_busy") from None
-    reply = Reply(job, chat, new_id("chatcmpl" if chat else "cmpl"), now(), len(prompt_ids),
-                  TextStream(state.target.decode, stop_strings(body)), body.return_token_ids)
+    reply = Reply(job, chat, new_id("chatcmpl" if chat else "cmpl"), now(), len(prompt_ids.ids),
+                  TextStream(stop_strings(body)), body.return_token_ids)
     first = await first_event(state, request, job)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Failed):
-        raise HTTPError(first.status, first.message)
+        raise failure(first)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream(state, reply, first, max_tokens, include_usage), media_type="text/event-stream")
@@ -361,7 +373,7 @@ async def whole(state: ServerState, request: Request, reply: Reply, event, max_t
     checked = time.monotonic()
     while not isinstance(event, (Finished, Failed)):
         reply.tokens += event.token_ids
-        text += reply.text.add(event.token_ids)
+        text += reply.text.add(event.text)
         if time.monotonic() - checked > DISCONNECT_POLL_S:
             checked = time.monotonic()
             if await request.is_disconnected():
@@ -372,8 +384,8 @@ async def whole(state: ServerState, request: Request, reply: Reply, event, max_t
         if event is None:
             return Response(status_code=499)
     if isinstance(event, Failed):
-        raise HTTPError(event.status, event.message)
-    text += reply.text.finish()
+        raise failure(event)
+    text += reply.text.finish(event.output.text)
     reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
               if reply.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
@@ -383,7 +395,7 @@ async def whole(state: ServerState, request: Request, reply: Reply, event, max_t
     return JSONResponse({
         "id": reply.id, "object": "chat.completion" if reply.chat else "text_completion", "created": reply.created,
         "model": state.model_name, "choices": [choice], "usage": usage(reply),
-        "speculative_stats": speculative_stats(reply.job, event.stats),
+        "speculative_stats": speculative_stats(reply.job, event.output.stats),
     })
 
 
@@ -403,22 +415,23 @@ async def stream(state: ServerState, reply: Reply, event, max_tokens: int, inclu
             yield sse(chunk(state, reply, {"role": "assistant", "content": ""}, None))
         while isinstance(event, Tokens):
             reply.tokens += event.token_ids
-            delta = reply.text.add(event.token_ids)
+            delta = reply.text.add(event.text)
             if delta or reply.token_ids:
                 yield sse(chunk(state, reply, delta, None, event.token_ids))
             event = await job.events.get()
         ended = True
         if isinstance(event, Failed):  # the status line is sent already: report in the stream, as vLLM does
-            state.metrics.requests.labels(str(event.status)).inc()
-            yield sse(error_body(event.message, kind="server_error", code=event.status))
+            err = failure(event)
+            state.metrics.requests.labels(str(err.status)).inc()
+            yield sse(error_body(err.message, kind="server_error", code=err.status))
             yield "data: [DONE]\n\n"
             return
         # Counted before the last chunks go out: a client that closes as soon as it reads [DONE] stops this
         # generator at that yield, and its request still succeeded.
         state.metrics.requests.labels("200").inc()
         reason = finish_reason(reply.text, reply.tokens, max_tokens, state.target.eos_token_ids)
-        finish = chunk(state, reply, reply.text.finish(), reason)
-        stats = {"speculative_stats": speculative_stats(job, event.stats)}  # on the last chunk, whichever it is
+        finish = chunk(state, reply, reply.text.finish(event.output.text), reason)
+        stats = {"speculative_stats": speculative_stats(job, event.output.stats)}  # on the last chunk, whichever it is
         if include_usage:
             yield sse(finish)
             yield sse({**chunk(state, reply, "", None), "choices": [], "usage": usage(reply), **stats})
@@ -456,12 +469,17 @@ def usage(reply: Reply) -> dict[str, int]:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": done, "total_tokens": reply.prompt_tokens + done}
 
 
+def failure(event: Failed) -> HTTPError:
+    """A failed job as the HTTP error it answers: the engine's own refusals carry a status; a step's fault is a 500."""
+    return HTTPError(getattr(event.error, "status", 500), str(event.error))
+
+
 def speculative_stats(job: Job, stats: GenerationStats) -> dict[str, Any]:
     """How the tokens were made. ``target_calls`` counts the prefill (it makes the first token), so plain
     decoding has exactly one target call per token."""
     return {
-        "drafter": job.config.drafter,
-        "tree": None if job.drafter is None or isinstance(job.drafter, PromptLookup) else job.config.tree_key,
+        "drafter": job.drafter_name,
+        "tree": job.tree_label,
         "mean_accepted_length": stats.mean_accepted_length,
         "target_calls": stats.target_calls + 1,
         "draft_tokens_per_token": stats.draft_tokens_per_token,

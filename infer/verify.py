@@ -1,16 +1,21 @@
 """Acceptance rules: which tree path the target keeps.
 
 Pure tensor functions over a `Tree` and the target's logits at every node.
-Greedy and sampling live in separate functions, never behind a mode string.
+Greedy and sampling live in separate functions, never behind a mode string:
+greedy decoding always takes `greedy_accept`; a sampling generation takes
+the stochastic rule it was given (`AcceptRule`): `sample_accept`, exact, by
+default, or `lossy_typical_accept`, which says it is lossy in its name and
+in the stats (`is_lossless`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from specgraft.tree import Tree
+from specgraft.tree import Sampling, Tree
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,18 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
 # Below this mass a residual max(p - q, 0) is rounding noise, not a distribution.
 EMPTY_RESIDUAL = 1e-6
 
+# A stochastic acceptance rule: (tree, p (N, V) after the generation's filters, its Sampling) -> the path kept.
+AcceptRule = Callable[[Tree, torch.Tensor, Sampling], Acceptance]
 
-def sample_accept(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> Acceptance:
+
+def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, rule: AcceptRule) -> Acceptance:
+    """The path a generation keeps: `greedy_accept` under greedy decoding, else ``rule`` on the filtered p."""
+    if sampling.greedy:
+        return greedy_accept(tree, sampling.ban(logits))
+    return rule(tree, sampling.probs(logits), sampling)  # (N, V) the same filters the draft's q went through
+
+
+def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance:
     """Exact tree speculative sampling: the committed tokens follow p, whatever the drafter did.
 
     Walk down from the root. At each node with p_cur = p[node]:
@@ -64,8 +79,8 @@ def sample_accept(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> Ac
 
     Args:
         tree: N nodes; tree.q (N, V) when children were sampled.
-        p: (N, V) target distributions after the sampling policy.
-        generator: the RNG of this generation.
+        p: (N, V) target distributions after the generation's filters.
+        sampling: the generation's; its RNG draws every token.
     """
     node = 0
     path = [0]
@@ -74,31 +89,32 @@ def sample_accept(tree: Tree, p: torch.Tensor, generator: torch.Generator) -> Ac
         kids = children[node]
         p_cur = p[node]
         if not kids:
-            return _done(path, _draw(p_cur, generator), p.device)
+            return _done(path, sampling.draw_one(p_cur), p.device)
         if tree.q is None:
-            x = _draw(p_cur, generator)
+            x = sampling.draw_one(p_cur)
             match = [k for k in kids if int(tree.tokens[k]) == x]
             if not match:
                 return _done(path, x, p.device)
             node = match[0]
         else:
-            node = _multi_round(tree, kids, p_cur, generator)
-            if node < 0:
-                return _done(path, -node - 1, p.device)
+            child, correction = _multi_round(tree, kids, p_cur, sampling)
+            if child is None:
+                return _done(path, correction, p.device)
+            node = child
         path.append(node)
 
 
-def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, generator: torch.Generator) -> int:
-    """SpecInfer's rule over sampled siblings: the accepted child, or -(correction + 1) if none."""
+def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, sampling: Sampling) -> tuple[int | None, int | None]:
+    """SpecInfer's rule over sampled siblings: (the accepted child, None), or (None, the correction token)."""
     p_orig = p_cur
     q = tree.q[kids[0]]
     for kid in kids:
         x = int(tree.tokens[kid])
         if not tree.without_replacement:
             q = tree.q[kid]
-        accept = torch.clamp(p_cur[x] / q[x], max=1.0)
-        if float(torch.rand((), generator=generator, device=p_cur.device)) < float(accept):
-            return kid
+        ratio = torch.clamp(p_cur[x] / q[x], max=1.0)
+        if float(torch.rand((), generator=sampling.generator, device=p_cur.device)) < float(ratio):
+            return kid, None
         residual = (p_cur - q).clamp(min=0.0)
         mass = float(residual.sum())
         p_cur = residual / mass if mass > EMPTY_RESIDUAL else p_orig  # empty residual: fall back to p
@@ -108,17 +124,30 @@ def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, generator: to
             if q_mass <= 0.0:
                 break
             q = q / q_mass
-    return -_draw(p_cur, generator) - 1
+    return None, sampling.draw_one(p_cur)
 
 
-def typical_accept(
-    tree: Tree, p: torch.Tensor, generator: torch.Generator, threshold: float = 0.09, alpha: float = 0.3
+def lossy(rule: AcceptRule) -> AcceptRule:
+    """Mark an acceptance rule whose output does not follow the target's distribution (`is_lossless`)."""
+    rule.lossless = False
+    return rule
+
+
+def is_lossless(rule: AcceptRule) -> bool:
+    """False for a rule marked `lossy`: the stats of every generation it accepts for say so."""
+    return getattr(rule, "lossless", True)
+
+
+@lossy
+def lossy_typical_accept(
+    tree: Tree, p: torch.Tensor, sampling: Sampling, threshold: float = 0.09, alpha: float = 0.3
 ) -> Acceptance:
     """LOSSY (Medusa's typical acceptance): output does not follow the target's distribution.
 
     A node survives when p(token) > min(threshold, alpha * exp(-H(p))) at its
     parent, as do all its ancestors; the deepest survivor wins and the next
-    token is sampled from p there. Only used with ``acceptance="typical"``.
+    token is sampled from p there. Only used when asked for
+    (``SpeculativeGenerator(..., acceptance=lossy_typical_accept)``), and with temperature > 0.
     """
     entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)  # (N,)
     bar = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
@@ -127,7 +156,7 @@ def typical_accept(
     match[1:] = p[parents, tree.tokens[1:]] > bar[parents]
     alive = ~(tree.ancestor_mask() & ~match[None]).any(dim=1)
     best = int(torch.where(alive, tree.depth, -1).argmax())  # the longest surviving candidate, as Medusa
-    return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=_draw(p[best], generator))
+    return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=sampling.draw_one(p[best]))
 
 
 def _children_lists(tree: Tree) -> list[list[int]]:
@@ -135,10 +164,6 @@ def _children_lists(tree: Tree) -> list[list[int]]:
     for child, parent in enumerate(tree.parents.tolist()[1:], start=1):
         children[parent].append(child)
     return children
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _done(path: list[int], token: int, device: torch.device) -> Acceptance:

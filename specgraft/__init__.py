@@ -17,9 +17,12 @@ from specgraft.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from specgraft.heads import Composite, DraftModel, Drafter, LayerSkip, PromptLookup, load_drafter, search_layer_skip
-    from specgraft.infer import GenerationOutput, GenerationStats, SpeculativeGenerator, StreamChunk
+    from specgraft.infer import (
+        GenerationOutput, GenerationStats, Scheduler, SpeculativeGenerator, StreamChunk, lossy_typical_accept,
+        sample_accept,
+    )
     from specgraft.model import KVCache, Target, load_target
-    from specgraft.tree import Chain, DynamicTree, StaticTree, Tree, parse_tree_spec
+    from specgraft.tree import Chain, DynamicTree, Sampling, StaticTree, Tree, parse_tree_spec
 
 __version__ = "0.1.0"
 
@@ -29,9 +32,13 @@ _EXPORTS = {
         ("Composite", "DraftModel", "Drafter", "LayerSkip", "PromptLookup", "load_drafter", "search_layer_skip"),
         "specgraft.heads",
     ),
-    **dict.fromkeys(("GenerationOutput", "GenerationStats", "SpeculativeGenerator", "StreamChunk"), "specgraft.infer"),
+    **dict.fromkeys(
+        ("GenerationOutput", "GenerationStats", "Scheduler", "SpeculativeGenerator", "StreamChunk", "lossy_typical_accept",
+         "sample_accept"),
+        "specgraft.infer",
+    ),
     **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.model"),
-    **dict.fromkeys(("Chain", "DynamicTree", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
+    **dict.fromkeys(("Chain", "DynamicTree", "Sampling", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
 }
 
 __all__ = sorted(_EXPORTS)

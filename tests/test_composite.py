@@ -33,8 +33,8 @@ class Counting:
                 outer.drafted += tree.num_nodes > 1
                 return tree
 
-            def commit(self, tokens, hidden):
-                state.commit(tokens, hidden)
+            def commit(self, tokens, hidden, path=None):
+                state.commit(tokens, hidden, path)
 
             def cache_tokens(self):
                 return state.cache_tokens()

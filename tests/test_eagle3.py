@@ -100,7 +100,7 @@ def test_ttt_step0_matches_the_drafter_on_a_real_prefix(target):
     class Capture:
         max_depth = 1
 
-        def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+        def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
             nonlocal logp_first
             tree = sg.Tree.root_only(root_token)
             logp_first = step(tree, torch.tensor([0]))[0]

@@ -1,4 +1,4 @@
-"""The serving engine without HTTP: one thread, a scheduler per drafter choice, a row cap over all of them."""
+"""The serving engine without HTTP: one thread stepping one scheduler, every drafter choice in the same steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 import specgraft as sg
-from specgraft.infer.engine import Config, Engine, EngineObserver, Failed, Finished, Job, QueueFull, Tokens
+from specgraft.infer import Failed, Finished, Tokens, check_prompt
+from specgraft.infer.engine import Engine, EngineObserver, Job, QueueFull
+from specgraft.model import TREE_SLOTS
 
 TOKENS = 12
 
@@ -29,27 +31,27 @@ async def collect(job: Job) -> tuple[list[int], Finished | Failed]:
         tokens += event.token_ids
 
 
+def job(target, prompt, drafter_key: str, drafter, loop, **options) -> Job:
+    return Job(drafter_key=drafter_key, drafter=drafter, tree=sg.Chain(4), prompt=check_prompt(target, prompt),
+               max_new_tokens=options.pop("max_new_tokens", TOKENS), options=options, loop=loop)
+
+
 def test_rows_are_capped_over_every_drafter_choice_and_each_output_is_exact(stories, dev_prompts):
     observer = PeakLoad()
-    engine = Engine(stories, max_batch_size=2, max_queue=4, observer=observer)
-    lookup, chain = sg.PromptLookup(), sg.Chain(4)
-    choices = [(Config("prompt-lookup", "default"), lookup), (Config("none", "none"), None)]
+    lookup = sg.PromptLookup()
+    engine = Engine(stories, {"prompt-lookup": lookup}, max_batch_size=2, max_queue=4, observer=observer)
+    choices = [("prompt-lookup", lookup), ("none", None)]
     prompts = dev_prompts[:6]
 
     async def scenario() -> list[tuple[list[int], Finished | Failed]]:
         loop = asyncio.get_running_loop()
-        jobs = [
-            Job(config=config, drafter=drafter, tree=chain, prompt_ids=stories.encode(p), max_new_tokens=TOKENS,
-                options={"eos_token_id": ()}, loop=loop)
-            for p, (config, drafter) in zip(prompts, choices * 3)
-        ]
-        for job in jobs:  # not started yet: 2 rows + 4 waiting fill it
-            engine.submit(job)
+        jobs = [job(stories, p, key, drafter, loop, eos_token_id=()) for p, (key, drafter) in zip(prompts, choices * 3)]
+        for j in jobs:  # not started yet: 2 rows + 4 waiting fill it
+            engine.submit(j)
         with pytest.raises(QueueFull, match="6 requests in flight"):
-            engine.submit(Job(config=choices[0][0], drafter=lookup, tree=chain, prompt_ids=[1], max_new_tokens=1,
-                              options={}, loop=loop))
+            engine.submit(job(stories, [1], "prompt-lookup", lookup, loop, max_new_tokens=1))
         engine.start()
-        return [await collect(job) for job in jobs]
+        return [await collect(j) for j in jobs]
 
     try:
         results = asyncio.run(scenario())
@@ -58,23 +60,38 @@ def test_rows_are_capped_over_every_drafter_choice_and_each_output_is_exact(stor
     assert observer.peak_running == 2
     plain = sg.SpeculativeGenerator(stories, None)
     for prompt, (tokens, end) in zip(prompts, results):
-        assert isinstance(end, Finished) and end.stats.new_tokens == TOKENS
+        assert isinstance(end, Finished) and end.output.stats.new_tokens == TOKENS
         assert tokens == plain.generate(prompt, max_new_tokens=TOKENS, eos_token_id=()).token_ids
-    assert engine.in_flight == 0 and not engine.schedulers  # idle schedulers are dropped
+    counters = engine.scheduler.counters
+    # Lookup and plain rows shared every step: one verification forward each, whatever the mix of drafters.
+    assert counters.steps > 0 and counters.verify_forwards == counters.steps
+    assert engine.in_flight == 0 and engine.scheduler.idle
 
 
 def test_refused_options_fail_that_job_with_400(stories):
     engine = Engine(stories, max_batch_size=2, max_queue=2)
 
     async def scenario() -> tuple[list[int], Finished | Failed]:
-        job = Job(config=Config("none", "none"), drafter=None, tree=sg.Chain(4), prompt_ids=[1, 403],
-                  max_new_tokens=4, options={"presence_penalty": 0.5}, loop=asyncio.get_running_loop())
+        j = job(stories, [1, 403], "none", None, asyncio.get_running_loop(), max_new_tokens=4, presence_penalty=0.5)
         engine.start()
-        engine.submit(job)
-        return await collect(job)
+        engine.submit(j)
+        return await collect(j)
 
     try:
         tokens, end = asyncio.run(scenario())
     finally:
         engine.stop()
-    assert tokens == [] and isinstance(end, Failed) and end.status == 400 and "presence_penalty" in end.message
+    assert tokens == [] and isinstance(end, Failed)
+    assert end.error.status == 400 and "presence_penalty" in str(end.error)
+
+
+def test_the_kv_pool_is_allocated_once_whatever_the_drafters(stories, trained_eagle):
+    eagle = sg.load_drafter(trained_eagle, stories)
+    one = Engine(stories, {"prompt-lookup": sg.PromptLookup()}, max_batch_size=4)
+    four = Engine(stories, {"prompt-lookup": sg.PromptLookup(), "eagle": eagle, "self": sg.DraftModel(stories, stories),
+                            "lookup-eagle": sg.Composite(sg.PromptLookup(), eagle)}, max_batch_size=4)
+    layers, heads, dim = stories.num_layers, stories.config.num_key_value_heads, stories.fast.head_dim
+    slots = one.scheduler.max_len + TREE_SLOTS
+    assert one.scheduler.pool_bytes == four.scheduler.pool_bytes == layers * 2 * 4 * heads * slots * dim * 4
+    assert one.scheduler.draft_pool_bytes == 0 < four.scheduler.draft_pool_bytes  # the EAGLE head's draft rows
+    assert "KV pool: 4 rows" in one.describe() and "draft pools (eagle)" in four.describe()

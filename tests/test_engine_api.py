@@ -451,7 +451,7 @@ def test_draft_model_with_another_vocabulary_raises_value_error_naming_both_size
 class _HalfDrafter:
     hidden_layers = ()
 
-    def propose(self, root_token, policy, max_depth, sampler=None):
+    def propose(self, root_token, policy, max_depth, sampling=None):
         raise AssertionError("never called")
 
 
@@ -471,6 +471,7 @@ def test_generator_rejects_a_raw_hf_model_as_target():
 
 def test_stop_rule_decodes_a_bounded_window_per_token(stories, dev_prompts):
     """The stop-string check decodes only the newest tokens: its work per token does not grow with the output."""
+    from specgraft.infer.detokenize import Detokenizer
     from specgraft.infer.stopping import StopRule
 
     ids = stories.encode(" ".join(dev_prompts))  # long real text
@@ -482,7 +483,7 @@ def test_stop_rule_decodes_a_bounded_window_per_token(stories, dev_prompts):
         return stories.decode(part)
 
     stop = "no such words"
-    rule = StopRule(len(ids) + 1, (), (stop,), decode)
+    rule = StopRule(len(ids) + 1, (), (stop,), Detokenizer(decode))
     for token in ids:
         rule.accept([token])
     assert not rule.done and rule.text.text + rule.text.tail == stories.decode(ids)
@@ -491,12 +492,13 @@ def test_stop_rule_decodes_a_bounded_window_per_token(stories, dev_prompts):
 
 def test_stop_rule_fires_at_the_token_a_full_decode_would(stories, dev_prompts):
     """Incremental matching agrees with matching the whole decoded output, token by token."""
+    from specgraft.infer.detokenize import Detokenizer
     from specgraft.infer.stopping import StopRule
 
     ids = stories.encode(dev_prompts[5] + " " + dev_prompts[6])
     text = stories.decode(ids)
     for stop in (text[40:47], text[-5:], text[len(text) // 2 : len(text) // 2 + 12], " "):
         want = next(k for k in range(len(ids)) if stop in stories.decode(ids[: k + 1]))
-        rule = StopRule(len(ids), (), (stop,), stories.decode)
+        rule = StopRule(len(ids), (), (stop,), Detokenizer(stories.decode))
         kept = rule.accept(ids)
         assert len(kept) == want + 1, stop

@@ -56,7 +56,7 @@ class RecordChain:
     def __init__(self):
         self.logps = []
 
-    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long)
         for _ in range(max_depth):

@@ -41,8 +41,8 @@ class RecordingState:
         self.trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return tree
 
-    def commit(self, tokens, hidden):
-        self.inner.commit(tokens, hidden)
+    def commit(self, tokens, hidden, path=None):
+        self.inner.commit(tokens, hidden, path)
 
     def cache_tokens(self):
         return self.inner.cache_tokens()

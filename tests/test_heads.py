@@ -103,7 +103,7 @@ class ForcedPath:
         self.tokens = tokens
         self.max_depth = len(tokens)
 
-    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
         builder = sg.tree.TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long)
         for token in self.tokens:
@@ -145,16 +145,16 @@ def test_medusa_runs_only_the_heads_a_tree_reaches(tiny_target):
 
 
 def test_eagle_cache_holds_only_committed_pairs_after_each_step(tiny_target):
-    from specgraft.infer.generator import Decoding
-
     head = build_head(EagleConfig(), tiny_target).eval()
     drafter = EagleDrafter(head, tiny_target)
-    decoding = Decoding(tiny_target, drafter, sg.StaticTree([[0], [1], [0, 0]]), torch.tensor([1, 2, 3]))
-    decoding.prefill()
-    for _ in range(6):
-        decoding.step(max_depth=3)
-        state = decoding.draft
-        committed = len(decoding.cache)  # tokens before the root: the drafter's committed sequence
+    sched = sg.Scheduler(tiny_target, {"eagle": drafter}, max_batch_size=1, default_drafter="eagle",
+                         default_tree=sg.StaticTree([[0], [1], [0, 0]]))
+    handle = sched.submit([1, 2, 3], max_new_tokens=40, eos_token_id=())  # more than 7 steps can commit
+    for _ in range(7):  # the prefill with a first step, then six steps
+        sched.step()
+        request = sched.running[handle]
+        state = request.draft
+        committed = len(request.cache)  # tokens before the root: the drafter's committed sequence
         assert state.length == committed
         # Only pairs of committed tokens stay: the root's pair (f_{n-1}, root) is run again next round.
         assert len(state.cache) <= committed - 1

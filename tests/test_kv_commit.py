@@ -1,6 +1,6 @@
 """KV-cache commit: after every step the caches hold exactly the committed sequence.
 
-`Decoding`'s invariant: between steps the target's cache holds every
+A `Request`'s invariant: between steps the target's cache holds every
 committed token but the root (the last committed token, which the next
 step's forward runs first). The cache must equal what a fresh prefill of
 that sequence computes, so nothing from a rejected draft token survives and
@@ -17,7 +17,7 @@ import torch
 from conftest import filled_cache, numbered_kv, tiny_causal_lm
 
 import specgraft as sg
-from specgraft.infer.generator import Decoding
+from specgraft.infer import Scheduler, Tokens
 from specgraft.model import KVCache, Target
 from specgraft.tree import ROOT_PARENT, Tree
 
@@ -77,8 +77,8 @@ class RecordingState:
         self.after_propose.append((len(self.inner.cache), self.inner.length))
         return tree
 
-    def commit(self, tokens, hidden):
-        self.inner.commit(tokens, hidden)
+    def commit(self, tokens, hidden, path=None):
+        self.inner.commit(tokens, hidden, path)
 
     def cache_tokens(self):
         return self.inner.cache_tokens()
@@ -104,7 +104,7 @@ class OracleDrafter:
         self.generated = 1  # the root chosen by prefill
         return self
 
-    def commit(self, tokens, hidden):
+    def commit(self, tokens, hidden, path=None):
         self.generated += len(tokens)  # the path (root first) plus the next root
 
     def cache_tokens(self):
@@ -133,30 +133,33 @@ class OracleDrafter:
 
 
 def drive(target: Target, drafter, policy, prompt: list[int], new_tokens: int = NEW_TOKENS, on_step=None):
-    """Run `Decoding` step by step; after prefill and after every step check the target's cache.
+    """Run one generation through the scheduler step by step; after every step check the target's cache.
 
-    Returns (committed generated tokens, list of StepResult).
+    Returns (the generated tokens, (tokens committed, draft tokens proposed) of each verification step).
     """
-    decoding = Decoding(target, drafter, policy, torch.tensor(prompt))
-    generated = [decoding.prefill()]
-    results = []
+    name = "none" if drafter is None else "drafter"
+    sched = Scheduler(target, {name: drafter}, max_batch_size=1, default_drafter=name, default_tree=policy)
+    sched.submit(prompt, new_tokens, eos_token_id=())
+    request = sched.queued[-1]  # the generation's own state, kept after it ends
+    generated: list[int] = []
 
     def check(when: str) -> None:
-        assert decoding.root == generated[-1], when
+        assert request.root == generated[-1], when
         expected = prompt + generated[:-1]  # every committed token but the root
-        assert len(decoding.cache) == len(expected), f"{when}: cache holds {len(decoding.cache)}, expected {len(expected)}"
-        diff = kv_difference(decoding.cache, fresh_prefill(target, expected), target.num_layers)
+        assert len(request.cache) == len(expected), f"{when}: cache holds {len(request.cache)}, expected {len(expected)}"
+        diff = kv_difference(request.cache, fresh_prefill(target, expected), target.num_layers)
         assert diff < TOL, f"{when}: target KV differs from a fresh prefill by {diff:.2e} (relative to scale)"
 
-    check("after prefill")
-    while len(generated) < new_tokens:
-        result = decoding.step(max_depth=new_tokens - len(generated) - 1)
-        results.append(result)
-        generated += result.tokens
-        check(f"after step {len(results)}")
+    steps, drafted = [], 0
+    while not sched.idle:
+        generated += [t for e in sched.step() if isinstance(e, Tokens) for t in e.token_ids]
+        recorder = request.recorder
+        steps.append((recorder.step_tokens[-1], recorder.draft_tokens - drafted))
+        drafted = recorder.draft_tokens
+        check(f"after step {len(steps)}" + (" (the prefill's too)" if len(steps) == 1 else ""))
         if on_step is not None:
-            on_step(decoding, generated)
-    return generated, results
+            on_step(request, generated)
+    return generated, steps
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +187,7 @@ def test_target_cache_equals_fresh_prefill_after_every_step_with_self_draft_stat
         stories, sg.DraftModel(stories, stories), sg.StaticTree(BRANCHING_TREE), stories_prompts[prompt]
     )
     assert generated == hf_greedy(stories, stories_prompts[prompt], len(generated))
-    assert any(len(r.tokens) > 2 for r in results)  # deep paths were committed (rows gathered past siblings)
+    assert any(committed > 2 for committed, _ in results)  # deep paths were committed (rows gathered past siblings)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -195,7 +198,7 @@ def test_target_cache_equals_fresh_prefill_after_every_step_with_rejecting_rando
         stories, sg.DraftModel(random_draft, stories), sg.StaticTree(BRANCHING_TREE), stories_prompts[prompt]
     )
     assert generated == hf_greedy(stories, stories_prompts[prompt], len(generated))
-    assert any(len(r.tokens) - 1 < r.draft_tokens for r in results)  # drafts were rejected
+    assert any(committed - 1 < drafted for committed, drafted in results)  # drafts were rejected
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -217,7 +220,7 @@ def test_target_cache_equals_fresh_prefill_when_accepted_path_skips_rejected_sib
         max_depth = NEW_TOKENS - done - 1
         expected.append(min(4, max_depth - 1) + 1 if max_depth >= 2 else 1)
         done += expected[-1]
-    assert [len(r.tokens) for r in results] == expected
+    assert [committed for committed, _ in results] == expected
 
 
 # --------------------------------------------------------------------------- the draft model's own cache
@@ -240,9 +243,9 @@ def test_draft_model_cache_holds_only_committed_tokens_after_every_step(stories,
     prompt = stories_prompts[PROMPTS[1]]
     problems = []
 
-    def check(decoding, generated):
+    def check(request, generated):
         committed = prompt + generated[:-1]
-        state = decoding.draft
+        state = request.draft
         n = len(state.cache)
         if n + len(state.pending) != len(committed) or state.pending != committed[n:]:
             problems.append(f"step {len(problems)}: the draft's cached + pending tokens differ from the target's")
@@ -262,7 +265,7 @@ class _DraftNothing:
 
     max_depth = 1
 
-    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
         return Tree.root_only(root_token, device)
 
 

@@ -14,7 +14,7 @@ from specgraft.cli import main
 from specgraft.heads import drafter_from_spec
 from specgraft.specs import format_layer_set, parse_layer_set
 from specgraft.tools.exactness import fit
-from specgraft.infer.sampling import SamplingPolicy
+from specgraft.tree import Sampling
 
 TREES = {
     "chain:3": lambda: sg.Chain(3),
@@ -90,7 +90,7 @@ def test_sampling_follows_the_target_distribution():
     with torch.no_grad():  # logits near +-20 would make the distribution nearly deterministic: soften them
         target.model.lm_head.weight.mul_(0.1)
     prompt, length, samples = [0, 1, 2, 0, 1], 3, 4000
-    policy = SamplingPolicy(temperature=1.0, top_k=4)
+    policy = Sampling(temperature=1.0, top_k=4)
     exact = {}
     for seq in itertools.product(range(6), repeat=length):
         with torch.no_grad():

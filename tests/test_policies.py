@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specgraft.tree import Chain, StaticTree, Tree, parse_tree_spec
+from specgraft.tree import Chain, Sampling, StaticTree, Tree, parse_tree_spec
 
 # The fake drafter's next-token distribution, keyed by the current node's token (vocabulary of 5).
 # No ties, so each row's ranking is unambiguous:
@@ -167,20 +167,15 @@ def test_static_tree_reports_its_max_depth():
     assert StaticTree([[0], [0, 0], [0, 0, 0]]).max_depth == 3
 
 
-class SeededSampler:
-    """A DraftSampler over the fake drafter's log-probs, no filters."""
-
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.softmax(-1)
+def seeded(seed: int) -> Sampling:
+    """Sampling over the fake drafter's log-probs, no filters, with its own RNG."""
+    return Sampling(temperature=1.0).seeded(seed)
 
 
 def test_static_tree_top_k_keeps_gapped_ranks_by_rank():
-    # after 0: ranks 0, 1, 2 are tokens 1, 2, 3; greedy decoding (no sampler) is top-k whatever the draw
-    for draw, sampler in (("top-k", SeededSampler(0)), ("sample-without-replacement", None)):
-        tree = StaticTree([[0], [2], [2, 1]], draw=draw).grow(FakeStep(), root_token=0, sampler=sampler)
+    # after 0: ranks 0, 1, 2 are tokens 1, 2, 3; greedy decoding (no sampling) is top-k whatever the draw
+    for draw, sampling in (("top-k", seeded(0)), ("sample-without-replacement", None)):
+        tree = StaticTree([[0], [2], [2, 1]], draw=draw).grow(FakeStep(), root_token=0, sampling=sampling)
         assert tree.tokens.tolist() == [0, 1, 3, 0], draw  # after 3: rank 1 is token 0
         assert tree.parents.tolist() == [-1, 0, 0, 2], draw
 
@@ -189,8 +184,8 @@ def test_static_tree_top_k_keeps_gapped_ranks_by_rank():
 def test_static_tree_sampled_children_are_the_first_draws_in_rank_order(draw):
     # A sampled rank only orders siblings: gaps would keep a draw verified against the wrong q.
     for seed in range(20):
-        gapped = StaticTree([[1], [3], [3, 2]], draw=draw).grow(FakeStep(), root_token=0, sampler=SeededSampler(seed))
-        dense = StaticTree([[0], [1], [1, 0]], draw=draw).grow(FakeStep(), root_token=0, sampler=SeededSampler(seed))
+        gapped = StaticTree([[1], [3], [3, 2]], draw=draw).grow(FakeStep(), root_token=0, sampling=seeded(seed))
+        dense = StaticTree([[0], [1], [1, 0]], draw=draw).grow(FakeStep(), root_token=0, sampling=seeded(seed))
         assert gapped.tokens.tolist() == dense.tokens.tolist(), seed
         assert gapped.parents.tolist() == dense.parents.tolist() == [-1, 0, 0, 2]
         assert torch.equal(gapped.q, dense.q)
@@ -198,12 +193,12 @@ def test_static_tree_sampled_children_are_the_first_draws_in_rank_order(draw):
 
 def test_static_tree_without_replacement_drops_the_subtrees_of_draws_q_cannot_make():
     # After 0, q has one token once the fake drafter's log-probs are cut to their top 1.
-    class TopOne(SeededSampler):
+    class TopOne(Sampling):
         def probs(self, logits):
             return torch.zeros_like(logits).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
 
     tree = StaticTree([[0], [1], [1, 0]], draw="sample-without-replacement").grow(
-        FakeStep(), root_token=0, sampler=TopOne(0)
+        FakeStep(), root_token=0, sampling=TopOne(temperature=1.0).seeded(0)
     )
     assert tree.tokens.tolist() == [0, 1]
     assert tree.parents.tolist() == [-1, 0]

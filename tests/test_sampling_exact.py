@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import specgraft as sg
-import specgraft.infer.generator as generator_module
-from specgraft.infer.sampling import Sampler, SamplingPolicy
+import specgraft.infer.scheduler as scheduler_module
+from specgraft.tree import Sampling
 from specgraft.tools.exactness import fit
 from specgraft.infer.verify import Acceptance, sample_accept
 from markov_lm import exact_distribution, markov_target
@@ -63,9 +63,11 @@ FILTERS = {"no filter": {}, "top-k 3": {"top_k": 3}, "top-p 0.8": {"top_p": 0.8}
 TEMPERATURES = (0.5, 1.0, 1.5)
 
 
-def sample_continuations(drafter_name: str, temperature: float, filters: dict, n: int = SAMPLES) -> Counter:
+def sample_continuations(
+    drafter_name: str, temperature: float, filters: dict, n: int = SAMPLES, acceptance=sg.sample_accept
+) -> Counter:
     drafter, tree = DRAFTERS[drafter_name]()
-    gen = sg.SpeculativeGenerator(TARGET, drafter, tree=tree)
+    gen = sg.SpeculativeGenerator(TARGET, drafter, tree=tree, acceptance=acceptance)
     torch.manual_seed(1234)  # unseeded generations draw their seeds from torch's global RNG
     counts: Counter = Counter()
     for _ in range(n):
@@ -75,8 +77,7 @@ def sample_continuations(drafter_name: str, temperature: float, filters: dict, n
 
 
 def exact(temperature: float, filters: dict) -> dict:
-    policy = SamplingPolicy(temperature=temperature, **filters)
-    return exact_distribution(TARGET.model, PROMPT, LENGTH, policy.probs)
+    return exact_distribution(TARGET.model, PROMPT, LENGTH, Sampling(temperature=temperature, **filters).probs)
 
 
 # Every drafter, temperature and filter appears at least once in the default run; gapped trees run
@@ -126,13 +127,12 @@ GAP_DRAWS = 20_000
 
 def first_committed_tokens(choices: list[list[int]], draw: str, n: int = GAP_DRAWS) -> Counter:
     """The first token each of n verification steps commits, q and p fixed at every node."""
-    generator = torch.Generator().manual_seed(5)
-    sampler = Sampler(SamplingPolicy(temperature=1.0), generator)  # probs(log q) = q
+    sampling = Sampling(temperature=1.0).seeded(5)  # probs(log q) = q
     policy = sg.StaticTree(choices, draw=draw)
     counts: Counter = Counter()
     for _ in range(n):
-        tree = policy.grow(lambda tree, frontier: GAP_Q.log().expand(len(frontier), -1), root_token=0, sampler=sampler)
-        result = sample_accept(tree, GAP_P.expand(tree.num_nodes, -1), generator)
+        tree = policy.grow(lambda tree, frontier: GAP_Q.log().expand(len(frontier), -1), root_token=0, sampling=sampling)
+        result = sample_accept(tree, GAP_P.expand(tree.num_nodes, -1), sampling)
         first = int(tree.tokens[result.path[1]]) if len(result.path) > 1 else result.next_token
         counts[(first,)] += 1
     return counts
@@ -144,19 +144,18 @@ def test_gapped_ranks_drawn_without_replacement_commit_tokens_from_p(choices):
     assert result.passed, f"StaticTree({choices}, sample-without-replacement): {result}"
 
 
-def _accept_without_ratio(tree, p, generator) -> Acceptance:
+def _accept_without_ratio(tree, p, sampling) -> Acceptance:
     """WRONG on purpose: take the first child at every level, never testing p/q."""
     path = [0]
     while True:
         kids = (tree.parents == path[-1]).nonzero().flatten().tolist()
         if not kids:
-            return Acceptance(torch.tensor(path), int(torch.multinomial(p[path[-1]], 1, generator=generator)))
+            return Acceptance(torch.tensor(path), sampling.draw_one(p[path[-1]]))
         path.append(kids[0])
 
 
-def test_negative_control_wrong_rule_fails_the_same_test(monkeypatch):
-    monkeypatch.setattr(generator_module, "sample_accept", _accept_without_ratio)
-    result = fit(sample_continuations("draft-model sampled chain", 1.0, {}), exact(1.0, {}))
+def test_negative_control_wrong_rule_fails_the_same_test():
+    result = fit(sample_continuations("draft-model sampled chain", 1.0, {}, acceptance=_accept_without_ratio), exact(1.0, {}))
     assert not result.passed, f"the test has no power: a wrong rule passed with {result}"
     assert result.p_value < 1e-6 and result.tv > result.tv_bound
 
@@ -164,10 +163,10 @@ def test_negative_control_wrong_rule_fails_the_same_test(monkeypatch):
 def test_negative_control_filter_on_one_side_only_fails(monkeypatch):
     """Filtering q but not p (a known bug in the wild) breaks exactness, and the test sees it."""
 
-    def accept_with_unfiltered_p(self, tree, logits):
-        p = SamplingPolicy(temperature=self.sampler.policy.temperature).probs(logits)  # WRONG: top-k dropped
-        return generator_module.sample_accept(tree, p, self.sampler.generator)
+    def accept_with_unfiltered_p(tree, logits, sampling, rule):
+        p = Sampling(temperature=sampling.temperature).probs(logits)  # WRONG: top-k dropped
+        return rule(tree, p, sampling)
 
-    monkeypatch.setattr(generator_module.Decoding, "_accept", accept_with_unfiltered_p)
+    monkeypatch.setattr(scheduler_module, "accept", accept_with_unfiltered_p)
     result = fit(sample_continuations("draft-model sampled chain", 1.0, {"top_k": 2}), exact(1.0, {"top_k": 2}))
     assert not result.passed, f"the test has no power: one-sided filtering passed with {result}"

@@ -16,9 +16,9 @@ from transformers.generation.logits_process import (
 
 import specgraft as sg
 from specgraft.tools.exactness import chi2_sf, fit
-from specgraft.infer.sampling import SamplingPolicy, check_prefix_free
+from specgraft.infer.request import check_prefix_free
 from specgraft.infer.verify import sample_accept
-from specgraft.tree import Tree
+from specgraft.tree import Sampling, Tree
 
 
 def _hf_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -44,13 +44,13 @@ def _hf_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 )
 def test_policy_matches_transformers_warpers(options):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 3
-    ours = SamplingPolicy(**options).probs(logits)
+    ours = Sampling(**options).probs(logits)
     assert torch.allclose(ours, _hf_probs(logits, **options), atol=1e-6)
     assert torch.allclose(ours.sum(-1), torch.ones(4))
 
 
 def test_policy_bans_tokens_and_renormalises():
-    probs = SamplingPolicy(temperature=1.0, banned_token_ids=(0, 3)).probs(torch.zeros(5))
+    probs = Sampling(temperature=1.0, banned_token_ids=(0, 3)).probs(torch.zeros(5))
     assert probs[0] == 0 and probs[3] == 0
     assert torch.allclose(probs[[1, 2, 4]], torch.full((3,), 1 / 3))
 
@@ -61,7 +61,7 @@ def test_policy_bans_tokens_and_renormalises():
 )
 def test_policy_rejects_bad_options_naming_them(options, name):
     with pytest.raises(ValueError, match=name):
-        SamplingPolicy(**options)
+        Sampling(**options)
 
 
 def test_prefix_dependent_penalties_are_refused():
@@ -86,7 +86,7 @@ def test_identical_draft_and_target_always_accept():
     p = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.2, 0.2], [0.1, 0.1, 0.8]])
     q = torch.cat([torch.zeros(1, 3), p[:2]])  # q[i]: what node i was drawn from = p at its parent
     tree = _chain_tree([0, 1, 0], q)
-    gen = torch.Generator().manual_seed(0)
+    gen = Sampling(temperature=1.0).seeded(0)
     for _ in range(200):
         assert sample_accept(tree, p, gen).path.tolist() == [0, 1, 2]
 
@@ -99,7 +99,7 @@ def test_empty_residual_falls_back_to_p(monkeypatch):
     tree = _chain_tree([0, 0], q)
     # Force the rejection of node 1 (acceptance ratio 1 - 2e-9): a uniform draw just below 1.
     monkeypatch.setattr("specgraft.infer.verify.torch.rand", lambda *a, **k: torch.tensor(1.0 - 1e-12, dtype=torch.float64))
-    gen = torch.Generator().manual_seed(0)
+    gen = Sampling(temperature=1.0).seeded(0)
     corrections = Counter(sample_accept(tree, p, gen).next_token for _ in range(400))
     # The residual is [0, 2e-9]: renormalising it would always give token 1; p gives both.
     assert corrections[0] > 100 and corrections[1] > 100
@@ -110,7 +110,7 @@ def test_point_mass_children_correction_never_repeats_a_rejected_child():
     tree = Tree(
         tokens=torch.tensor([0, 1, 2]), parents=torch.tensor([-1, 0, 0]), depth=torch.tensor([0, 1, 1]), scores=torch.zeros(3)
     )
-    gen = torch.Generator().manual_seed(1)
+    gen = Sampling(temperature=1.0).seeded(1)
     firsts = Counter()
     for _ in range(8000):
         result = sample_accept(tree, p, gen)
@@ -145,13 +145,13 @@ def test_typical_acceptance_is_reported_lossy_and_needs_sampling():
     from markov_lm import markov_target
 
     target = markov_target(6, seed=0)
-    gen = sg.SpeculativeGenerator(target, sg.DraftModel(target, target), tree=sg.Chain(3), acceptance="typical")
+    gen = sg.SpeculativeGenerator(target, sg.DraftModel(target, target), tree=sg.Chain(3), acceptance=sg.lossy_typical_accept)
     out = gen.generate([0, 1], max_new_tokens=20, temperature=1.0, seed=0)
     assert out.stats.lossless is False and len(out.token_ids) == 20
     with pytest.raises(ValueError, match="typical"):
         gen.generate([0, 1], max_new_tokens=5, temperature=0.0)
-    with pytest.raises(ValueError, match="acceptance"):
-        sg.SpeculativeGenerator(target, None, acceptance="fast")
+    with pytest.raises(TypeError, match="acceptance"):  # a rule is a function now, never a mode string
+        sg.SpeculativeGenerator(target, None, acceptance="typical")
 
 
 def test_self_draft_at_temperature_one_is_always_accepted(stories, dev_prompts):

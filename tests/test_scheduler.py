@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 
 from test_engine_api import hf_generate
 
 import specgraft as sg
-from specgraft.infer.scheduler import per_prompt_options
+from specgraft.infer import Failed, Finished, Tokens, per_prompt_options
 
 BRANCHING_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -20,6 +22,38 @@ def make(target, kind: str) -> sg.SpeculativeGenerator:
     if kind == "self_tree":
         return sg.SpeculativeGenerator(target, sg.DraftModel(target, target), tree=sg.StaticTree(BRANCHING_TREE))
     raise KeyError(kind)
+
+
+class Driver:
+    """Steps a scheduler and files its events by generation, as the serving engine and generate_batch do."""
+
+    def __init__(self, sched: sg.Scheduler) -> None:
+        self.sched = sched
+        self.ended: dict[int, Finished | Failed] = {}
+
+    def step(self) -> dict[int, list[int]]:
+        """One step; the tokens each generation kept in it (a joining one: its prefill's, then its step's)."""
+        kept: dict[int, list[int]] = defaultdict(list)
+        for event in self.sched.step():
+            if isinstance(event, Tokens):
+                kept[event.handle] += event.token_ids
+            else:
+                assert event.handle not in self.ended, "a generation ended twice"
+                self.ended[event.handle] = event
+        return dict(kept)
+
+    def finished(self, handle: int) -> bool:
+        return handle in self.ended
+
+    def result(self, handle: int):
+        event = self.ended[handle]
+        if isinstance(event, Failed):
+            raise event.error
+        return event.output
+
+    def run(self, *handles: int) -> None:
+        while not all(self.finished(h) for h in handles):
+            self.step()
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +85,21 @@ def test_generate_batch_samples_each_row_with_its_own_options(stories, prompts):
 def test_step_reports_each_generations_new_tokens_and_they_add_up(stories, prompts):
     gen = make(stories, "prompt_lookup")
     sched = gen.scheduler(max_batch_size=2)
+    driver = Driver(sched)
     handles = [sched.submit(p, max_new_tokens=16, eos_token_id=()) for p in prompts[:3]]
     seen = {h: [] for h in handles}
-    first = sched.step()
+    first = driver.step()
     assert set(first) == set(handles[:2])  # the third waits for a free row
     # a joining row: its first token (from its prefill), then its first speculative step's tokens
     assert all(len(tokens) >= 2 for tokens in first.values())
     for h, tokens in first.items():
         seen[h] += tokens
-    while not all(sched.finished(h) for h in handles):
+    while not all(driver.finished(h) for h in handles):
         assert len(sched.running) <= 2
-        for h, tokens in sched.step().items():
+        for h, tokens in driver.step().items():
             seen[h] += tokens
     for h, prompt in zip(handles, prompts):
-        out = sched.result(h)
+        out = driver.result(h)
         assert out.token_ids == seen[h] == gen.generate(prompt, max_new_tokens=16, eos_token_id=()).token_ids
     assert sched.idle
 
@@ -72,32 +107,35 @@ def test_step_reports_each_generations_new_tokens_and_they_add_up(stories, promp
 def test_cancel_frees_the_row_and_leaves_the_others_unaffected(stories, prompts):
     gen = make(stories, "self_tree")
     sched = gen.scheduler(max_batch_size=2)
+    driver = Driver(sched)
     a = sched.submit(prompts[0], max_new_tokens=30, eos_token_id=())
     b = sched.submit(prompts[1], max_new_tokens=30, eos_token_id=())
     c = sched.submit(prompts[2], max_new_tokens=30, eos_token_id=())
-    sched.step()
-    sched.step()
+    driver.step()
+    driver.step()
     sched.cancel(a)
     assert a not in sched.running and len(sched.running) == 1
-    with pytest.raises(KeyError, match="unknown generation handle"):
-        sched.finished(a)
-    sched.step()
+    with pytest.raises(KeyError, match="neither queued nor running"):
+        sched.cancel(a)
+    assert a not in driver.step()  # a cancelled generation emits nothing more
     assert c in sched.running  # the freed row was taken by the waiting generation
-    while not (sched.finished(b) and sched.finished(c)):
-        sched.step()
+    driver.run(b, c)
+    assert not driver.finished(a)
     for h, prompt in ((b, prompts[1]), (c, prompts[2])):
-        assert sched.result(h).token_ids == gen.generate(prompt, max_new_tokens=30, eos_token_id=()).token_ids
+        assert driver.result(h).token_ids == gen.generate(prompt, max_new_tokens=30, eos_token_id=()).token_ids
 
 
-def test_result_before_finishing_and_bad_options_are_refused(stories, prompts):
+def test_unknown_handles_drafters_and_bad_options_are_refused(stories, prompts):
     sched = make(stories, "plain").scheduler()
-    h = sched.submit(prompts[0], max_new_tokens=8)
-    with pytest.raises(ValueError, match="has not finished"):
-        sched.result(h)
+    with pytest.raises(KeyError, match="neither queued nor running"):
+        sched.cancel(7)
+    with pytest.raises(KeyError, match="unknown drafter 'eagle': loaded are none"):
+        sched.submit(prompts[0], max_new_tokens=8, drafter="eagle")
     with pytest.raises(ValueError, match="max_new_tokens"):
         sched.submit(prompts[0], max_new_tokens=0)
     with pytest.raises(ValueError, match="max_batch_size"):
         make(stories, "plain").scheduler(max_batch_size=0)
+    assert sched.idle  # nothing refused was queued
 
 
 def test_per_prompt_options_take_one_value_or_one_per_prompt():
@@ -114,14 +152,14 @@ def test_a_free_row_between_running_rows_is_padding_only(stories, prompts):
     """Cancel the middle of three rows: rows 0 and 2 keep verifying together, each exactly as alone."""
     gen = make(stories, "self_tree")
     sched = gen.scheduler(max_batch_size=3)
+    driver = Driver(sched)
     a, b, c = (sched.submit(p, max_new_tokens=36, eos_token_id=()) for p in prompts[:3])
-    sched.step()
+    driver.step()
     sched.cancel(b)
-    assert sched.cache.views[1] is None and sched.cache.views[0] is not None and sched.cache.views[2] is not None
-    while not (sched.finished(a) and sched.finished(c)):
-        sched.step()
+    assert sched.pool.views[1] is None and sched.pool.views[0] is not None and sched.pool.views[2] is not None
+    driver.run(a, c)
     for h, prompt in ((a, prompts[0]), (c, prompts[2])):
-        out = sched.result(h)
+        out = driver.result(h)
         alone = gen.generate(prompt, max_new_tokens=36, eos_token_id=())
         assert out.token_ids == alone.token_ids
         assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram
@@ -214,15 +252,15 @@ def test_mixed_rows_drafted_together_each_equal_their_run_alone(stories, prompts
         dict(max_new_tokens=40),  # cancelled after two steps
     ]
     sched = gen.scheduler(max_batch_size=5)
+    driver = Driver(sched)
     handles = [sched.submit(p, eos_token_id=(), **o) for p, o in zip(prompts, options)]
-    sched.step()
-    sched.step()
+    driver.step()
+    driver.step()
     sched.cancel(handles[4])
-    while not all(sched.finished(h) for h in handles[:4]):
-        sched.step()
+    driver.run(*handles[:4])
     assert sizes[:2] == [5, 5] and 1 <= max(sizes[2:]) <= 4  # every drafting row in one call, the cancelled one gone
     for h, prompt, opts in zip(handles, prompts, options[:4]):
-        out, alone = sched.result(h), gen.generate(prompt, eos_token_id=(), **opts)
+        out, alone = driver.result(h), gen.generate(prompt, eos_token_id=(), **opts)
         assert out.token_ids == alone.token_ids
         if "temperature" not in opts:
             assert out.token_ids == hf_generate(stories, stories.encode(prompt), opts["max_new_tokens"], eos_token_id=None)
@@ -238,7 +276,7 @@ def test_a_batched_draft_grows_each_rows_tree_as_it_grows_alone(stories, prompts
     class GrowOnlyChain:  # a policy without `levels`: drafted on its own, through the same code
         max_depth = 2
 
-        def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None):
+        def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
             builder, last = TreeBuilder(root_token, device), torch.zeros(1, dtype=torch.long)
             for _ in range(min(2, max_depth or 2)):
                 logp = step(builder.tree(), last)
@@ -250,15 +288,16 @@ def test_a_batched_draft_grows_each_rows_tree_as_it_grows_alone(stories, prompts
     gen = batch_drafter_case(stories, kind, request)
     rows = gen.drafter.new_rows(4, 256)
     policies = [sg.Chain(3), sg.DynamicTree(top_k=3, depth=4, budget=10), sg.StaticTree(BRANCHING_TREE), GrowOnlyChain()]
-    decodings = []
+    prefilled = []  # (state, root, prompt length) of each row, as the scheduler's prefill leaves them
     for i, prompt in enumerate(prompts[:4]):
-        decoding, _ = gen._begin(prompt, 16)
-        if rows is not None:
-            decoding.draft_cache = rows.acquire(i)[1]
-        decoding.prefill()
-        decodings.append(decoding)
+        ids = torch.tensor(stories.encode(prompt))
+        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None],
+                              hidden_layers=gen.drafter.hidden_layers, last_only=True)
+        hidden = {layer: h[0] for layer, h in out.hidden.items()}
+        cache = {} if rows is None else {"cache": rows.acquire(i)[1]}
+        prefilled.append((gen.drafter.start(ids, hidden, **cache), int(out.logits[0, -1].argmax()), len(ids)))
     for policies_now in (policies, policies[:3]):  # with a grow-only policy among them, and all growing together
-        requests = [DraftRequest(d.draft, d.root, p, 1 + i, None, i) for i, (d, p) in enumerate(zip(decodings, policies_now))]
+        requests = [DraftRequest(state, root, p, 1 + i, None, i) for i, ((state, root, _), p) in enumerate(zip(prefilled, policies_now))]
         together = gen.drafter.propose_batch(requests, rows)
         for r, tree in zip(requests, together):
             alone = r.state.propose(r.root_token, r.policy, r.max_depth)
@@ -266,7 +305,7 @@ def test_a_batched_draft_grows_each_rows_tree_as_it_grows_alone(stories, prompts
             assert torch.allclose(tree.scores, alone.scores, atol=1e-4)
             assert tree.max_depth <= r.max_depth
         if rows is not None:
-            assert rows.lengths(4) == [len(d.prompt_ids) - 1 for d in decodings]  # committed pairs only
+            assert rows.lengths(4) == [n - 1 for _, _, n in prefilled]  # committed pairs only
 
 
 @pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static"])
@@ -314,7 +353,7 @@ def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(promp
     target = sg.load_target(STORIES, fast=False)
     gen = make(target, "self_tree")
     sched = gen.scheduler(max_batch_size=3)
-    assert sched.cache is None  # no batched cache over transformers' caches
+    assert sched.pool is None  # no batched cache over transformers' caches
     outs = gen.generate_batch(prompts[:3], max_new_tokens=[16, 24, 9], eos_token_id=())
     for prompt, n, out in zip(prompts, [16, 24, 9], outs):
         assert out.token_ids == gen.generate(prompt, max_new_tokens=n, eos_token_id=()).token_ids
@@ -348,9 +387,9 @@ def enumerated(target, prompt: list[int], temperature: float, filters: dict) -> 
     """P(x_1..x_L | prompt) for every continuation, from the target's own forward and the sampling filters."""
     import torch
 
-    from specgraft.infer.sampling import SamplingPolicy
+    from specgraft.tree import Sampling
 
-    policy = SamplingPolicy(temperature=temperature, **filters)
+    policy = Sampling(temperature=temperature, **filters)
     probs: dict[tuple[int, ...], float] = {}
 
     def walk(seq: tuple[int, ...], p: float) -> None:
@@ -379,6 +418,7 @@ def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, 
     target, draft = small_vocab_pair
     policy = sg.Chain(3, draw="sample") if tree == "chain" else sg.StaticTree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], draw="sample")
     sched = sg.SpeculativeGenerator(target, draft, tree=policy).scheduler(max_batch_size=32, max_len=16)
+    driver = Driver(sched)
     prompts = ([0, 1, 2, 0, 1], [3, 4, 5], [1, 1, 2, 2], [5, 0, 3, 2, 4, 1])  # rows differ, so a mix-up shows
     settings = [dict(temperature=t, **f) for t, f in zip(ROW_TEMPERATURES, ROW_FILTERS)]
     torch.manual_seed(7)  # unseeded rows draw their seeds from torch's global RNG
@@ -389,9 +429,9 @@ def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, 
             for i in range(32)
         ]
         while not sched.idle:
-            sched.step()
+            driver.step()
         for i, handle in handles:
-            counts[i][tuple(sched.result(handle).token_ids)] += 1
+            counts[i][tuple(driver.result(handle).token_ids)] += 1
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"
@@ -413,13 +453,13 @@ class _FailsOn(sg.PromptLookup):
 def test_a_failing_generation_leaves_alone_and_result_raises_its_error(stories, prompts):
     gen = sg.SpeculativeGenerator(stories, _FailsOn(511), tree=sg.Chain(4))
     sched = gen.scheduler(max_batch_size=4)
+    driver = Driver(sched)
     good = sched.submit(prompts[0], max_new_tokens=12, eos_token_id=())
     bad = sched.submit([1, 403, 511], max_new_tokens=12, eos_token_id=())
-    while not (sched.finished(good) and sched.finished(bad)):
-        sched.step()
+    driver.run(good, bad)
     with pytest.raises(RuntimeError, match="drafter failed"):
-        sched.result(bad)
-    assert sched.result(good).token_ids == gen.generate(prompts[0], max_new_tokens=12, eos_token_id=()).token_ids
+        driver.result(bad)
+    assert driver.result(good).token_ids == gen.generate(prompts[0], max_new_tokens=12, eos_token_id=()).token_ids
     assert sched.idle
 
 
@@ -444,8 +484,8 @@ class _ProposeFailsOnce:
                     raise RuntimeError("drafter failed mid-way")
                 return state.propose(*args, **kwargs)
 
-            def commit(self, tokens, hidden):
-                state.commit(tokens, hidden)
+            def commit(self, tokens, hidden, path=None):
+                state.commit(tokens, hidden, path)
 
             def cache_tokens(self):
                 return 0
@@ -456,15 +496,15 @@ class _ProposeFailsOnce:
 def test_a_generation_failing_in_a_batched_step_frees_its_row_and_the_batch_goes_on(stories, prompts):
     gen = sg.SpeculativeGenerator(stories, _ProposeFailsOnce(511), tree=sg.Chain(4))
     sched = gen.scheduler(max_batch_size=3)
+    driver = Driver(sched)
     a = sched.submit(prompts[0], max_new_tokens=20, eos_token_id=())
     bad = sched.submit([1, 403, 511], max_new_tokens=20, eos_token_id=())
     c = sched.submit(prompts[1], max_new_tokens=20, eos_token_id=())
-    sched.step()
-    sched.step()  # the bad row's second proposal raises inside the batched step
-    assert sched.finished(bad) and sched.cache.views[1] is None
+    driver.step()
+    driver.step()  # the bad row's second proposal raises inside the batched step
+    assert driver.finished(bad) and sched.pool.views[1] is None
     with pytest.raises(RuntimeError, match="mid-way"):
-        sched.result(bad)
-    while not (sched.finished(a) and sched.finished(c)):
-        sched.step()
+        driver.result(bad)
+    driver.run(a, c)
     for h, prompt in ((a, prompts[0]), (c, prompts[1])):
-        assert sched.result(h).token_ids == gen.generate(prompt, max_new_tokens=20, eos_token_id=()).token_ids
+        assert driver.result(h).token_ids == gen.generate(prompt, max_new_tokens=20, eos_token_id=()).token_ids

@@ -149,9 +149,9 @@ def test_chat_prompt_uses_the_targets_template_when_it_has_one(stories):
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
     messages = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "A dog."}]
-    ids = chat_prompt_ids(sg.Target(stories.model, tokenizer, "templated"), messages)
+    ids = chat_prompt_ids(sg.Target(stories.model, tokenizer, "templated"), messages).ids.tolist()
     assert stories.decode(ids) == "system: Tell stories.\nuser: A dog.\nassistant:"
-    assert chat_prompt_ids(stories, messages) == stories.encode("Tell stories.\nA dog.")  # no template: texts joined
+    assert chat_prompt_ids(stories, messages).ids.tolist() == stories.encode("Tell stories.\nA dog.")  # no template: texts joined
 
 
 def test_stop_strings_end_the_text_before_them(client, plain, dev_prompts):

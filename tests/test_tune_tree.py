@@ -118,9 +118,9 @@ class SlowCommitState:
     def __getattr__(self, name):
         return getattr(self.state, name)
 
-    def commit(self, tokens, hidden) -> None:
+    def commit(self, tokens, hidden, path=None) -> None:
         time.sleep(self.seconds)
-        self.state.commit(tokens, hidden)
+        self.state.commit(tokens, hidden, path)
 
 
 def test_step_overhead_measures_the_engine_work_beyond_forward_and_draft(stories, dev_prompts):

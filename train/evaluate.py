@@ -22,8 +22,7 @@ from specgraft.heads import as_drafter
 from specgraft.heads.base import Drafter
 from specgraft.infer import SpeculativeGenerator
 from specgraft.model import Target
-from specgraft.tree import Tree, TreeBuilder, TreePolicy, parse_tree_spec
-from specgraft.tree.draw import DraftSampler
+from specgraft.tree import Sampling, Tree, TreeBuilder, TreePolicy, parse_tree_spec
 
 
 @dataclass
@@ -43,7 +42,7 @@ class ForcedChain:
         root_token: int,
         max_depth: int | None = None,
         device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Tree:
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long, device=device)

@@ -1,11 +1,12 @@
 """Pure tree logic (torch only, never transformers): trees, masks, positions, policies."""
 
 from specgraft.tree.dynamic import DynamicTree
-from specgraft.tree.mask import additive_mask, batched_tree_inputs, tree_attention_mask, tree_position_ids
+from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
 from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
 from specgraft.tree.policies import (
     Chain, Growth, StaticTree, TreeBuilder, TreePolicy, grow_together, parse_tree_spec, policy_from_spec, tree_from_spec,
 )
+from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
 __all__ = [
@@ -13,13 +14,13 @@ __all__ = [
     "Chain",
     "DynamicTree",
     "Growth",
+    "Sampling",
     "StaticTree",
     "Tree",
     "TreeBuilder",
     "TreeChoice",
     "TreePolicy",
     "additive_mask",
-    "batched_tree_inputs",
     "grow_together",
     "interpolate",
     "parse_tree_spec",

@@ -6,25 +6,18 @@
 - ``sample-without-replacement``: k distinct draws (Sequoia's variant: q
   loses each rejected token during verification).
 
-Under greedy decoding there is no sampler and every draw is top-k.
+Under greedy decoding (no `Sampling`, or a greedy one) every draw is top-k.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from specgraft.tree.sampling import Sampling
+
 DRAWS = ("top-k", "sample", "sample-without-replacement")
-
-
-class DraftSampler(Protocol):
-    """Turns draft log-probs into the distribution q actually sampled (same filters as the target's p)."""
-
-    generator: torch.Generator
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -42,15 +35,15 @@ def check_draw(draw: str) -> str:
     return draw
 
 
-def pick_children(logp: torch.Tensor, k: int, draw: str, sampler: DraftSampler | None) -> Picked:
+def pick_children(logp: torch.Tensor, k: int, draw: str, sampling: Sampling | None) -> Picked:
     """Choose k children for each of F frontier nodes from (F, V) draft log-probs."""
-    if sampler is None or draw == "top-k":
+    if sampling is None or sampling.greedy or draw == "top-k":
         top_logp, top_tok = logp.topk(k, dim=-1)
         return Picked(top_tok, top_logp, None)
-    q = sampler.probs(logp)  # (F, V), filters applied as for the target
+    q = sampling.probs(logp)  # (F, V), filters applied as for the target
     support = int((q > 0).sum(dim=-1).min())
     replacement = draw == "sample"
     if not replacement and k > support:
         k = support  # fewer distinct tokens than asked for: draw them all
-    tokens = torch.multinomial(q, k, replacement=replacement, generator=sampler.generator)  # (F, k)
+    tokens = sampling.draw(q, k, replacement=replacement)  # (F, k)
     return Picked(tokens, q.gather(-1, tokens).log(), q)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraft.tree.draw import DraftSampler
 from specgraft.tree.policies import Growth, StepFn, TreeBuilder, drive
+from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import Tree
 
 
@@ -43,13 +43,13 @@ class DynamicTree:
         root_token: int,
         max_depth: int | None = None,
         device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampler), step)
+        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Growth:
         depth = self.depth if max_depth is None else min(self.depth, max_depth)
         builder = TreeBuilder(root_token, device)

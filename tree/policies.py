@@ -23,7 +23,8 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 import torch
 
 from specgraft.specs import ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree
-from specgraft.tree.draw import DraftSampler, Picked, check_draw, pick_children
+from specgraft.tree.draw import Picked, check_draw, pick_children
+from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import ROOT_PARENT, Tree
 
 StepFn = Callable[[Tree, torch.Tensor], torch.Tensor]
@@ -48,9 +49,9 @@ class TreePolicy(Protocol):
         root_token: int,
         max_depth: int | None = None,
         device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Tree:
-        """Grow a tree; ``sampler`` is None under greedy decoding (children are then top-k)."""
+        """Grow a tree; ``sampling`` None or greedy draws every child top-k."""
 
 
 def drive(growth: Growth, step: StepFn) -> Tree:
@@ -144,14 +145,14 @@ class TreeBuilder:
             if self.q:
                 first = self.q[0]
                 q = torch.cat([torch.zeros(1, first.shape[-1], dtype=first.dtype, device=first.device), *self.q])
-            self._tree = Tree.trusted(
-                ancestors=self.ancestors,
+            self._tree = Tree(
                 tokens=torch.cat(self.tokens),
                 parents=torch.cat(self.parents),
                 depth=torch.cat(self.depth),
                 scores=torch.cat(self.scores),
                 q=q,
                 without_replacement=self.without_replacement,
+                ancestors=self.ancestors,
             )
         return self._tree
 
@@ -185,20 +186,20 @@ class Chain:
         root_token: int,
         max_depth: int | None = None,
         device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampler), step)
+        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Growth:
         depth = self.depth if max_depth is None else min(self.depth, max_depth)
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long, device=device)
         for _ in range(depth):
             logp = yield builder.tree(), last  # (1, V)
-            last = builder.add_picked(last, pick_children(logp, 1, self.draw, sampler))
+            last = builder.add_picked(last, pick_children(logp, 1, self.draw, sampling))
         return builder.tree()
 
 
@@ -274,16 +275,16 @@ class StaticTree:
         root_token: int,
         max_depth: int | None = None,
         device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampler), step)
+        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
-        sampler: DraftSampler | None = None,
+        sampling: Sampling | None = None,
     ) -> Growth:
         builder = TreeBuilder(root_token, device)
-        sampled = sampler is not None and self.draw != "top-k"
+        sampled = sampling is not None and not sampling.greedy and self.draw != "top-k"
         builder.without_replacement = sampled and self.draw == "sample-without-replacement"
         node_of: dict[tuple[int, ...], int] = {(): 0}
         for level in self._levels[: max_depth if max_depth is not None else None]:
@@ -300,7 +301,7 @@ class StaticTree:
             slots = [range(len(ranks)) if sampled else ranks for _, ranks in level]
             k = max(max(s) for s in slots) + 1
             logp = yield builder.tree(), frontier  # (F, V)
-            picked = pick_children(logp, k, self.draw, sampler)  # (F, <=k)
+            picked = pick_children(logp, k, self.draw, sampling)  # (F, <=k)
             keep = torch.zeros_like(picked.tokens, dtype=torch.bool)
             for row, s in enumerate(slots):
                 keep[row, [j for j in s if j < keep.shape[1]]] = True

@@ -9,7 +9,7 @@ Shape legend: N nodes, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -30,6 +30,9 @@ class Tree:
             (row 0, the root's, is unused), or None when children were chosen
             deterministically (top-k): verification then treats them as point masses.
         without_replacement: siblings were drawn without replacement from q.
+        ancestors: (N, N) bool ancestor mask (see `ancestor_mask`) from a builder that grew it with the
+            tree (`TreeBuilder`): the structure is then the builder's to keep, and only shapes are checked.
+            None: derived from ``parents`` on first use, after the structure is checked.
     """
 
     tokens: torch.Tensor
@@ -38,20 +41,25 @@ class Tree:
     scores: torch.Tensor
     q: torch.Tensor | None = None
     without_replacement: bool = False
+    ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         for name in ("parents", "depth", "scores"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"Tree.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"Tree.q has {self.q.shape[0]} rows for {n} nodes")
+        if self.ancestors is not None:
+            if self.ancestors.shape != (n, n):
+                raise ValueError(f"Tree.ancestors has shape {tuple(self.ancestors.shape)}, expected ({n}, {n})")
+            return  # a builder's tree: checking the structure per level would cost more than the step's forward
         if n == 0 or int(self.parents[0]) != ROOT_PARENT:
             raise ValueError("Tree needs a root at node 0 with parent -1")
         if n > 1 and not bool((self.parents[1:] < torch.arange(1, n, device=self.parents.device)).all()):
             raise ValueError("Tree nodes must be stored parents-first (parents[i] < i)")
         if n > 1 and not bool((self.parents[1:] >= 0).all()):
             raise ValueError("only node 0 may be a root")
-        if self.q is not None and self.q.shape[0] != n:
-            raise ValueError(f"Tree.q has {self.q.shape[0]} rows for {n} nodes")
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> Tree:
@@ -63,26 +71,13 @@ class Tree:
             scores=torch.zeros(1, device=device),
         )
 
-    @classmethod
-    def trusted(cls, ancestors: torch.Tensor | None = None, **fields) -> Tree:
-        """A tree from a builder that keeps the invariants itself: no validation, and its ancestor
-        mask handed over instead of recomputed (the draft loop builds a tree per level)."""
-        tree = object.__new__(cls)
-        for name in ("tokens", "parents", "depth", "scores"):
-            object.__setattr__(tree, name, fields[name])
-        object.__setattr__(tree, "q", fields.get("q"))
-        object.__setattr__(tree, "without_replacement", fields.get("without_replacement", False))
-        if ancestors is not None:
-            tree.__dict__["_ancestors"] = ancestors  # the cached_property's slot
-        return tree
-
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
             return self
         q = None if self.q is None else self.q.to(device)
         return Tree(
             self.tokens.to(device), self.parents.to(device), self.depth.to(device), self.scores.to(device), q,
-            self.without_replacement,
+            self.without_replacement, self.ancestor_mask().to(device),
         )
 
     @property
@@ -105,10 +100,10 @@ class Tree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """(N, N) bool: ``[i, j]`` is True when j is i or one of i's ancestors."""
-        return self._ancestors
+        return self.ancestors if self.ancestors is not None else self._derived_ancestors
 
     @cached_property
-    def _ancestors(self) -> torch.Tensor:
+    def _derived_ancestors(self) -> torch.Tensor:
         n = self.num_nodes
         eye = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
         # step[i, j]: j is i's parent. Reach ancestors one generation at a time.

@@ -300,6 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
         max_queue=args.max_queue, api_key=args.api_key,
     )
+    print(app.state.specgraft.engine.describe(), file=sys.stderr)
     return run_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
 
 

@@ -8,7 +8,7 @@
 """
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
-from specgraft.model.fast_llama import FastLlama, rms_norm, unsupported_reason
+from specgraft.model.fast_llama import FastLlama, Segment, rms_norm, unsupported_reason
 from specgraft.model.target import (
     CACHE_KEYWORDS,
     TREE_SLOTS,
@@ -27,6 +27,7 @@ __all__ = [
     "FastLlama",
     "KVCache",
     "ModelOutput",
+    "Segment",
     "StaticKVCache",
     "Target",
     "cache_keyword",

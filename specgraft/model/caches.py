@@ -10,8 +10,11 @@ and ``update`` (write one layer's keys/values there).
 - `StaticKVCache`: preallocated buffers written at explicit slots (gpt-fast
   style), for `FastLlama`; rollback moves a counter.
 - `BatchedKVCache`: rows of preallocated slots for many sequences, a length
-  per row; each row is a `StaticKVCache` view, and a batched verification
-  forward writes every row at its own slots.
+  per row; each row is a `StaticKVCache` view. A forward over rows 0..B-1
+  padded to one width writes every row at its own slots (`extend` /
+  `update`: a draft head's batched levels); a packed forward writes each
+  listed row's own tokens, concatenated (`extend_packed` / `write_packed`:
+  the engine's verification, where a plain row costs one token).
 
 Shape legend: B batch (rows in a forward), R rows, T new tokens, S cached
 slots, C buffer capacity, Hkv key/value heads, D head_dim.
@@ -253,3 +256,29 @@ class BatchedKVCache:
         k_all.scatter_(2, self._slots, keys)
         v_all.scatter_(2, self._slots, values)
         return k_all[:, :, : self._width], v_all[:, :, : self._width]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole allocation (every row's slots)."""
+        return self.kv.numel() * self.kv.element_size()
+
+    # -- the interface a packed forward writes through (`FastLlama.forward_packed`) ---------------------
+    def extend_packed(self, rows: list[int], sizes: list[int]) -> list[int]:
+        """Give each of ``rows`` (held, distinct) ``sizes[i]`` more slots after its own length; returns their first slots.
+
+        Raises:
+            ValueError: a row that is free, or one that would overflow its slots.
+        """
+        starts = []
+        for row, size in zip(rows, sizes, strict=True):
+            view = self.views[row]
+            if view is None:
+                raise ValueError(f"row {row} of the batched KV cache is free: acquire it before a forward")
+            starts.append(view.extend(1, size))
+        return starts
+
+    def write_packed(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write packed (N, Hkv, D) keys/values of one layer, token i at row ``rows[i]``, slot ``slots[i]``."""
+        self.kv[layer, 0][rows, :, slots] = keys
+        self.kv[layer, 1][rows, :, slots] = values
+

@@ -83,7 +83,90 @@ class Step:
     sin: torch.Tensor  # (B, T, 1, D), first half negated (see `rope`)
     mask: torch.Tensor | None  # (B or 1, 1, T, L) additive or boolean, or (T, L); None: causal or one token
     causal: bool  # no mask, several new tokens and an empty cache: SDPA's is_causal
-    repeat: int  # keys/values repeated for the query heads (1: SDPA's enable_gqa groups them if needed)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One row's new tokens in a packed forward (`FastLlama.forward_packed`).
+
+    Attributes:
+        row: the row of the batched cache the tokens belong to.
+        size: T, how many new tokens.
+        visible: (T, T) bool, which of the row's new tokens each sees (a tree's ancestor mask, itself
+            included); None: causal. Every new token sees all of its row's cached slots.
+    """
+
+    row: int
+    size: int
+    visible: torch.Tensor | None = None
+
+
+class PackedAttention:
+    """How every layer of one packed forward writes its keys/values and attends, row by row.
+
+    Built once per forward: each row's slots (taken from the pool), the write
+    index of every token and each row's mask. Rows of one token (plain
+    decoding, or nothing left to draft) attend together in one SDPA call over
+    the span of pool rows they lie in, one query each (a row of the span that
+    is not among them gets a zero query that sees one slot, and its output is
+    dropped); each other row attends in an SDPA call of its own over its own
+    slots. Measured on this CPU (benchmarks/packed_attention.py): one call per
+    row costs 1.5x one padded call at 16 one-token rows of stories260K, and
+    a padded call costs up to 2.4x the per-row calls once trees of different
+    sizes share it; one call over every row's keys with a block mask grows
+    with the square of the batch.
+
+    Shape legend: N packed tokens, R pool rows, S slots, Hq / Hkv heads, D head_dim.
+    """
+
+    def __init__(self, pool: BatchedKVCache, segments: Sequence[Segment], device: torch.device) -> None:
+        self.pool = pool
+        sizes = [seg.size for seg in segments]
+        starts = pool.extend_packed([seg.row for seg in segments], sizes)
+        offsets = [0]
+        for size in sizes[:-1]:
+            offsets.append(offsets[-1] + size)
+        self.rows = torch.tensor([seg.row for seg in segments], device=device).repeat_interleave(torch.tensor(sizes, device=device))  # (N,)
+        self.slots = torch.cat([torch.arange(start, start + size, device=device) for start, size in zip(starts, sizes)])  # (N,)
+        singles = [i for i, seg in enumerate(segments) if seg.size == 1]
+        if len(singles) < 2:
+            singles = []
+        self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
+        for i, (seg, start, offset) in enumerate(zip(segments, starts, offsets)):
+            if i in singles:
+                continue
+            if seg.size == 1:
+                mask = None  # one query sees every slot up to its own
+            else:
+                tree = seg.visible if seg.visible is not None else torch.ones(seg.size, seg.size, dtype=torch.bool, device=device).tril()
+                mask = torch.cat([torch.ones(seg.size, start, dtype=torch.bool, device=device), tree], dim=1)  # (T, start + T)
+            self.alone.append((offset, seg.size, seg.row, start + seg.size, mask))
+        self.grouped = None
+        if singles:
+            rows = [segments[i].row for i in singles]
+            lo, hi = min(rows), max(rows)
+            width = max(starts[i] for i in singles) + 1
+            seen = torch.ones(hi - lo + 1, dtype=torch.long, device=device)  # a row outside the group sees slot 0
+            seen[torch.tensor(rows, device=device) - lo] = torch.tensor([starts[i] + 1 for i in singles], device=device)
+            mask = (torch.arange(width, device=device)[None] < seen[:, None])[:, None, None]  # (span, 1, 1, width)
+            self.grouped = (lo, hi + 1, width, mask, torch.tensor(rows, device=device) - lo,
+                            torch.tensor([offsets[i] for i in singles], device=device))
+
+    def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write layer ``layer``'s packed keys/values (1, Hkv, N, D) and attend (1, Hq, N, D) -> (1, Hq, N, D)."""
+        self.pool.write_packed(layer, self.rows, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, Hkv, D)
+        keys, values = self.pool.kv[layer, 0], self.pool.kv[layer, 1]  # (R, Hkv, S, D)
+        out = torch.empty_like(q)
+        for offset, size, row, seen, mask in self.alone:
+            part = slice(offset, offset + size)
+            out[:, :, part] = model._attend(q[:, :, part], keys[row : row + 1, :, :seen], values[row : row + 1, :, :seen], mask)
+        if self.grouped is not None:
+            lo, hi, width, mask, members, columns = self.grouped
+            grouped_q = q.new_zeros(hi - lo, q.shape[1], 1, q.shape[3])  # (span, Hq, 1, D)
+            grouped_q[members] = q[0, :, columns].transpose(0, 1)[:, :, None]
+            grouped = model._attend(grouped_q, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (span, Hq, 1, D)
+            out[0, :, columns] = grouped[members, :, 0].transpose(0, 1)
+        return out
 
 
 @dataclass
@@ -324,10 +407,7 @@ class FastLlama:
                 causal = True
             else:  # query i sees every cached slot and new tokens 0..i
                 mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)  # (T, L)
-        # On CPU SDPA handles grouped-query heads itself, fastest with a mask; CUDA's fused kernels need
-        # enable_gqa without a mask, so there the keys/values are repeated instead.
-        repeat = self.num_heads // self.kv_heads if (x.device.type != "cpu" and mask is not None) else 1
-        return Step(start, cos, sin, mask, causal, repeat)
+        return Step(start, cos, sin, mask, causal)
 
     def attention(self, index: int, layer: _Layer, h: torch.Tensor, cache: StaticKVCache, step: Step) -> torch.Tensor:
         """Layer ``index``'s attention block on its (B, T, K) normed input -> (B, T, H), writing its keys/values.
@@ -336,24 +416,80 @@ class FastLlama:
         No residual is added.
         """
         b, t, _ = h.shape
+        q, k, v = self._project(layer, h, step.cos, step.sin)
+        keys, values = cache.update(index, step.start, k, v)  # (B, Hkv, L, D) each
+        out = self._attend(q, keys, values, step.mask, causal=step.causal)  # (B, Hq, T, D)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, Hq * D)
+        return linear(out, layer.o, layer.o_bias)  # (B, T, H)
+
+    def _project(
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B, Hq, T, D) and keys, values (B, Hkv, T, D) of (B, T, K) normed inputs, RoPE applied."""
+        b, t, _ = h.shape
         q = linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
         k = linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = linear(h, layer.v, layer.v_bias).view(b, t, self.kv_heads, self.head_dim)
         if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q = rms_norm(q, layer.q_norm, self.eps)
             k = rms_norm(k, layer.k_norm, self.eps)
-        q = rope(q, step.cos, step.sin).transpose(1, 2)  # (B, Hq, T, D)
-        k = rope(k, step.cos, step.sin).transpose(1, 2)  # (B, Hkv, T, D)
-        keys, values = cache.update(index, step.start, k, v.transpose(1, 2))  # (B, Hkv, L, D) each
-        repeat = step.repeat
-        gqa = repeat == 1 and self.num_heads != self.kv_heads
-        if repeat > 1:
+        return rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
+    ) -> torch.Tensor:
+        """SDPA of (B, Hq, T, D) queries over (B, Hkv, L, D) keys/values under ``mask`` -> (B, Hq, T, D).
+
+        On CPU SDPA groups the query heads itself (enable_gqa), fastest with a mask; CUDA's fused kernels take
+        enable_gqa only without a mask, so there the keys/values are repeated instead.
+        """
+        gqa = self.num_heads != self.kv_heads
+        if gqa and mask is not None and q.device.type != "cpu":
+            repeat = self.num_heads // self.kv_heads
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)  # (B, Hq, L, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=step.mask, is_causal=step.causal, scale=self.scale, enable_gqa=gqa
-        )  # (B, Hq, T, D)
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, Hq * D)
-        return linear(out, layer.o, layer.o_bias)  # (B, T, H)
+            gqa = False
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
+
+    @torch.inference_mode()
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        pool: BatchedKVCache,
+        segments: Sequence[Segment],
+        position_ids: torch.Tensor,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run several rows' new tokens, concatenated, in one forward: logits (N, V) and hidden states (N, H).
+
+        The linear layers see (N, H), every row's tokens and no padding; attention runs per row over that
+        row's slots (`PackedAttention`). Token order: segment by segment, as ``segments`` lists them.
+
+        Args:
+            input_ids, position_ids: (N,) the segments' tokens and RoPE positions, concatenated.
+            pool: the rows' cache; each segment's row gets its tokens' slots after its own length.
+            segments: one per row, N tokens in all.
+            hidden_layers: as in `forward`.
+        """
+        x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
+        count = self.num_layers + 1
+        wanted = {i % count for i in hidden_layers}
+        states: dict[int, torch.Tensor] = {}
+        cos, sin = self._rope(x, position_ids[None])  # (1, N, 1, D)
+        packed = PackedAttention(pool, segments, x.device)
+        for i, layer in enumerate(self.layers):
+            if i in wanted:
+                states[i] = x[0]
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
+            q, k, v = self._project(layer, h, cos, sin)  # (1, Hq, N, D), (1, Hkv, N, D) x 2
+            out = packed.attend(self, i, q, k, v)  # (1, Hq, N, D)
+            out = out.transpose(1, 2).reshape(1, -1, self.num_heads * self.head_dim)  # (1, N, Hq * D)
+            x = x + linear(out, layer.o, layer.o_bias)
+            x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
+        x = rms_norm(x, self.final_norm, self.eps)  # (1, N, H)
+        if self.num_layers in wanted:
+            states[self.num_layers] = x[0]
+        logits = linear(x, self.lm_head, self.lm_head_bias)[0]  # (N, V)
+        return logits, {i: states[i % count] for i in hidden_layers}
 
     def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Layer's SiLU MLP on its (B, T, H) normed input -> (B, T, H); no residual is added."""

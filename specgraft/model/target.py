@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
-from specgraft.model.fast_llama import FastLlama, unsupported_reason
+from specgraft.model.fast_llama import FastLlama, Segment, unsupported_reason
 from specgraft.threads import ThreadChoice, apply_threads, choose_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -235,22 +235,29 @@ class Target:
         return self.fast.new_batched_cache(rows, max_len or self.max_context + TREE_SLOTS)
 
     @torch.inference_mode()
-    def forward_rows(
+    def forward_packed(
         self,
         input_ids: torch.Tensor,
         cache: BatchedKVCache,
+        segments: Sequence[Segment],
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
         hidden_layers: Sequence[int] = (),
     ) -> ModelOutput:
-        """One forward over rows 0..B-1 of ``cache``, each row's T new tokens after its own length.
+        """One forward over several rows' new tokens, concatenated (fast path only; see `FastLlama.forward_packed`).
 
         Args:
-            input_ids, position_ids: (B, T).
-            attention_mask: (B, 1, T, max row length + T) additive, one per row (`batched_tree_inputs`).
+            input_ids, position_ids: (N,) every segment's tokens and RoPE positions, segment by segment.
+            cache: the batched cache whose rows the segments name; each row's length grows by its tokens.
+            segments: one `Segment` per row: its row, token count and tree visibility.
+
+        Returns:
+            logits (N, V) and hidden layer -> (N, H), packed as the inputs are.
         """
-        logits, hidden = self.fast.forward(input_ids, cache, position_ids, attention_mask, tuple(hidden_layers))
+        if self.fast is None:
+            raise TypeError(f"target {self.name!r} runs Hugging Face's forward: it verifies rows one by one")
+        logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers))
         return ModelOutput(logits=logits.float(), hidden=hidden)
+
 
 def _fast_path(model: PreTrainedModel, fast: bool | str) -> FastLlama | None:
     """The fast forward for ``model`` as ``fast`` asks ("auto", True or False), or None for HF's."""

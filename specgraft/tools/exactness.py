@@ -78,8 +78,8 @@ def fit(samples: Counter, exact: dict[tuple, float]) -> Fit:
     return Fit(chi2_sf(stat, bins - 1), tv, bound, n)
 
 
-def enumerate_continuations(target, prompt_ids: Sequence[int], length: int, policy) -> dict[tuple[int, ...], float]:
-    """Exact P(x_1..x_L | prompt) under ``policy`` for every continuation with nonzero mass.
+def enumerate_continuations(target, prompt_ids: Sequence[int], length: int, sampling) -> dict[tuple[int, ...], float]:
+    """Exact P(x_1..x_L | prompt) under ``sampling``'s filters for every continuation with nonzero mass.
 
     Each prefix costs one target forward, so keep the support small (top-k).
     """
@@ -89,7 +89,7 @@ def enumerate_continuations(target, prompt_ids: Sequence[int], length: int, poli
         for prefix, mass in dist.items():
             ids = torch.tensor([list(prompt_ids) + list(prefix)], device=target.device)
             out = target.forward(ids, target.new_cache(), torch.arange(ids.shape[1], device=ids.device)[None], last_only=True)
-            probs = policy.probs(out.logits[0, -1]).double().cpu()
+            probs = sampling.probs(out.logits[0, -1]).double().cpu()
             for token in probs.nonzero().flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         dist = grown
@@ -141,19 +141,19 @@ def check_exactness(
         length: tokens per continuation; top_k ** length outcomes at most.
     """
     from specgraft.infer import SpeculativeGenerator
-    from specgraft.infer import SamplingPolicy
+    from specgraft.tree import Sampling
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a sampling check, got {temperature}")
     target = generator.target
     plain = SpeculativeGenerator(target, None)
-    policy = SamplingPolicy(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     options = dict(max_new_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=())
     torch.manual_seed(seed)
     reports = []
     for prompt in prompts:
         ids = target.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        exact = enumerate_continuations(target, ids, length, policy)
+        exact = enumerate_continuations(target, ids, length, sampling)
         counts = {"plain": Counter(), "speculative": Counter()}
         taus = []
         for _ in tqdm(range(samples), desc=f"sampling {str(prompt)[:30]!r}", leave=False):

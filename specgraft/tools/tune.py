@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specgraft.heads import Drafter
-from specgraft.infer import Decoding, StopRule
+from specgraft.infer import Scheduler, Tokens
 from specgraft.model import Target
 from specgraft.tools.bench import run_interleaved
 from specgraft.tools.bench_runners import engine_runner
@@ -105,7 +105,7 @@ class RecordingChain:
     def max_depth(self) -> int:
         return self.depth
 
-    def grow(self, step, root_token, max_depth=None, device="cpu", sampler=None) -> Tree:
+    def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None) -> Tree:
         self.recorded = []
         builder = TreeBuilder(root_token, device)
         last = torch.zeros(1, dtype=torch.long, device=device)
@@ -125,20 +125,31 @@ def measure_acceptance(
     reached = [0] * depth
     policy = RecordingChain(depth)
     for ids in tqdm(prompts, desc="calibrating acceptance", leave=False):
-        decoding = Decoding(target, drafter, policy, torch.tensor(ids, device=target.device))
-        rule = StopRule(max_new_tokens, ())
-        rule.accept([decoding.prefill()])
-        while not rule.done:
-            result = decoding.step(max_depth=min(depth, rule.remaining() - 1))
-            # The step committed the target's own choices: depth d's is result.tokens[d - 1], known
-            # for every depth the chain reached with all earlier depths accepted.
-            for d, ranked in enumerate(policy.recorded[: len(result.tokens)]):
-                reached[d] += 1
-                token = result.tokens[d]
-                if token in ranked:
-                    hits[d][ranked.index(token)] += 1
-            rule.accept(result.tokens)
+        sched = _one_row(target, drafter, policy, ids, max_new_tokens)
+        sched.submit(ids, max_new_tokens, eos_token_id=())
+        prefilled = False
+        while not sched.idle:
+            for event in sched.step():
+                if not isinstance(event, Tokens):
+                    continue
+                if not prefilled:  # the prefill's token: no draft behind it
+                    prefilled = True
+                    continue
+                # The step kept the target's own choices: depth d's is token_ids[d - 1], known
+                # for every depth the chain reached with all earlier depths accepted.
+                for d, ranked in enumerate(policy.recorded[: len(event.token_ids)]):
+                    reached[d] += 1
+                    token = event.token_ids[d]
+                    if token in ranked:
+                        hits[d][ranked.index(token)] += 1
     return [[h / reached[d] if reached[d] else 0.0 for h in hits[d]] for d in range(depth)]
+
+
+def _one_row(target: Target, drafter: Drafter | None, tree: TreePolicy, ids: Sequence[int], max_new_tokens: int) -> Scheduler:
+    """A scheduler of one row for ``ids`` and ``max_new_tokens``, drafting with ``drafter`` (None: plainly) and ``tree``."""
+    name = "none" if drafter is None else "drafter"
+    return Scheduler(target, {name: drafter}, max_batch_size=1, max_len=len(ids) + max_new_tokens,
+                     default_drafter=name, default_tree=tree)
 
 
 def measure_draft_cost(target: Target, drafter: Drafter, prompt: Sequence[int], depth: int = 4, repeats: int = 10) -> float:
@@ -174,19 +185,21 @@ def measure_step_costs(
     T(2) - T(1) and the draft round: what verification, commits and the
     drafter's bookkeeping add per step.
     """
-    ids = torch.tensor(prompt, device=target.device)
-    plain = Decoding(target, None, Chain(1), ids)
-    spec = Decoding(target, drafter, Chain(1, draw="top-k"), ids)
-    plain.prefill()
-    spec.prefill()
+    budget = 2 * (steps + 3) + 2  # more than both rows can commit: neither leaves while timed
+    plain = _one_row(target, None, Chain(1), prompt, budget)
+    spec = _one_row(target, drafter, Chain(1, draw="top-k"), prompt, budget)
+    for sched in (plain, spec):
+        sched.submit(list(prompt), budget, eos_token_id=())
+        sched.step()  # the prefill (and a first step)
+    plain_cache = next(iter(plain.running.values())).cache
     plain_s, spec_s, one_s = [], [], []
     for i in range(steps + 3):  # three warm-up rounds
         start = time.perf_counter()
-        plain.step(max_depth=0)
+        plain.step()
         middle = time.perf_counter()
-        spec.step(max_depth=1)
+        spec.step()
         end = time.perf_counter()
-        one = measure_one_token(target, plain.cache)
+        one = measure_one_token(target, plain_cache)
         if i >= 3:
             plain_s.append(middle - start)
             spec_s.append(end - middle)

@@ -1,20 +1,33 @@
-"""The sampling policy: logits -> the distribution actually sampled.
+"""Sampling: logits -> the distribution a generation actually samples, and its random draws.
 
-One object applies temperature, top-k, top-p, min-p and banned ids, and the
-engine applies that same object to the target's logits (p) and the drafter's
-(q). Filtering one side only is the classic silent bug of speculative
-sampling; here it cannot happen because there is one function.
+One object holds a generation's filters (temperature, top-k, top-p, min-p,
+banned ids) and its RNG. The engine applies that same object to the
+target's logits (p) and the drafter's (q), and every random token, drafted
+or verified, is drawn through `Sampling.draw`. Filtering one side only is
+the classic silent bug of speculative sampling; with one function it cannot
+happen.
+
+It lives in `tree` because tree policies draw sampled children with it,
+and `tree` imports nothing of the engine's; the engine and the drafters
+import it from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
 import torch
 
 
 @dataclass(frozen=True)
-class SamplingPolicy:
-    """Args mirror transformers' generation options; 0 / 1.0 disable a filter.
+class Sampling:
+    """Filters as transformers' generation options name them (0 / 1.0 disable one), and the RNG draws use.
+
+    Args:
+        temperature: 0 is greedy (argmax after banned ids); above 0 the logits are divided by it.
+        top_k, top_p, min_p, banned_token_ids: filters applied in that order, then renormalised.
+        generator: the generation's private RNG (`seeded`); None draws from torch's global RNG.
 
     Raises:
         ValueError: naming the bad option (negative temperature, top_p outside (0, 1], ...).
@@ -24,7 +37,8 @@ class SamplingPolicy:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    banned_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    banned_token_ids: tuple[int, ...] = ()
+    generator: torch.Generator | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -40,6 +54,15 @@ class SamplingPolicy:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def seeded(self, seed: int | None, device: torch.device | str = "cpu") -> Sampling:
+        """This sampling with a private RNG: a seeded run repeats on the same machine and settings.
+
+        None seeds the RNG from torch's global one (so ``torch.manual_seed`` still makes a run repeat).
+        """
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return dataclasses.replace(self, generator=generator)
 
     def ban(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits with banned ids at -inf: greedy decoding's argmax goes through this too."""
@@ -67,39 +90,10 @@ class SamplingPolicy:
             probs = probs.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), 0.0)
         return probs / probs.sum(-1, keepdim=True)
 
+    def draw(self, probs: torch.Tensor, k: int = 1, *, replacement: bool = True) -> torch.Tensor:
+        """``k`` tokens from each (..., V) distribution: (..., k), drawn with this sampling's RNG."""
+        return torch.multinomial(probs, k, replacement=replacement, generator=self.generator)
 
-def check_prefix_free(repetition_penalty: float, presence_penalty: float) -> None:
-    """Refuse options whose distribution depends on each tree node's own path.
-
-    They would need a different p per node; rather than approximate them
-    silently, specgraft refuses them.
-    """
-    for name, value, neutral in (("repetition_penalty", repetition_penalty, 1.0), ("presence_penalty", presence_penalty, 0.0)):
-        if value != neutral:
-            raise NotImplementedError(
-                f"{name}={value} depends on each draft path's own tokens and is not supported by exact "
-                f"speculative sampling in specgraft; leave it at {neutral}"
-            )
-
-
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A private RNG for drafting and verification: seeded runs repeat on the same machine and settings."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    return generator
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a (V,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@dataclass(frozen=True)
-class Sampler:
-    """A policy and its RNG: what tree policies draw draft tokens with, and verification samples with."""
-
-    policy: SamplingPolicy
-    generator: torch.Generator
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.policy.probs(logits)
+    def draw_one(self, probs: torch.Tensor) -> int:
+        """One token from a (V,) distribution."""
+        return int(self.draw(probs)[0])
