@@ -1,15 +1,18 @@
-"""Where one scheduler step's time goes, at several batch sizes: draft, mask building, target forward, commits.
+"""Where one scheduler step's time goes, at several batch sizes: draft, verification forward, commits, the rest.
 
     python benchmarks/step_overhead.py --target ../shared/models/stories260K \
-        --drafter runs/eagle-stories260k/head --tree chain:4 --batch-sizes 1,8
+        --drafter runs/eagle-stories260k/head --tree chain:4 --batch-sizes 1,16
 
-Each part of `Scheduler.step` is timed by wrapping the function that does it
-(`Decoding.propose` and the scheduler's batched `_propose_together` for the draft phase, `batched_tree_inputs` for masks and
-padding, `Target.forward_rows` / `Target.forward` for the target, and
-`Decoding.commit` + `Decoding.record` for acceptance, KV commits, drafter
-commits and stop rules). "other" is the step's remaining time: the
-scheduler's own Python. Figures are per step, medians over steps; prefill
-steps (a row joining) are left out.
+Each part of `Scheduler.step` is timed by wrapping the function that does it:
+``draft`` is `Scheduler._draft` (every row's tree, batch drafters once per
+drafter); ``verify inputs`` is `Scheduler._verify` less the target's forward
+inside it (segments, masks, packing); ``forward`` is the target forward that
+verifies (`Target.forward_packed`, or `Target.forward` for one row);
+``commit`` is `Scheduler._commit` (acceptance, KV commits, drafter commits,
+stop rules, stats, events). "other" is the step's remaining time: the
+scheduler's own Python. "beyond forward+draft" is everything but the forward
+and the draft: the engine's per-step cost. Figures are per step, medians over
+steps; prefill steps (a row joining) are left out.
 """
 
 from __future__ import annotations
@@ -23,33 +26,39 @@ from collections import defaultdict
 import torch
 
 import specgraft as sg
-import specgraft.infer.scheduler as scheduler_module
 from specgraft.heads import drafter_from_spec
-from specgraft.infer.generator import Decoding
 
-PARTS = {  # part -> the functions whose time it sums
-    "draft": [(Decoding, "propose"), (scheduler_module.Scheduler, "_propose_together")],
-    "inputs+mask": [(scheduler_module, "batched_tree_inputs")],
-    "forward": [(sg.Target, "forward_rows")],
-    "commit": [(Decoding, "commit")],
-    "stop+stats": [(Decoding, "record")],
-}
+PARTS = ("draft", "verify inputs", "forward", "commit")
 
 
 def instrument(spent: dict[str, float]) -> None:
-    """Wrap each part's function so its time adds up into ``spent``."""
-    for part, functions in PARTS.items():
-        for owner, name in functions:
-            original = getattr(owner, name)
+    """Wrap each part's function so its time adds up into ``spent`` (forwards only while verifying)."""
+    verifying = [False]
 
-            def timed(*args, __original=original, __part=part, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return __original(*args, **kwargs)
-                finally:
-                    spent[__part] += time.perf_counter() - start
+    def wrap(owner, name: str, part: str | None) -> None:
+        original = getattr(owner, name)
 
-            setattr(owner, name, timed)
+        def timed(*args, __original=original, **kwargs):
+            if part is None and not verifying[0]:
+                return __original(*args, **kwargs)
+            key = part or "forward"
+            if part == "verify inputs":
+                verifying[0] = True
+            start = time.perf_counter()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+                if part == "verify inputs":
+                    verifying[0] = False
+
+        setattr(owner, name, timed)
+
+    wrap(sg.Scheduler, "_draft", "draft")
+    wrap(sg.Scheduler, "_verify", "verify inputs")
+    wrap(sg.Scheduler, "_commit", "commit")
+    wrap(sg.Target, "forward", None)
+    wrap(sg.Target, "forward_packed", None)
 
 
 def main() -> None:
@@ -64,7 +73,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = sg.load_target(args.target)
+    target = sg.load_target(args.target, threads=args.threads)
     prompts = [json.loads(line)["turns"][0] for line in open(args.prompts) if line.strip()]
     gen = sg.SpeculativeGenerator(target, drafter_from_spec(args.drafter, target), tree=sg.parse_tree_spec(args.tree))
     gen.generate_batch(prompts[:2], max_new_tokens=8)  # warm-up
@@ -82,21 +91,22 @@ def main() -> None:
             start = time.perf_counter()
             sched.step()
             total = time.perf_counter() - start
+            spent["verify inputs"] -= spent["forward"]  # the forward ran inside _verify
             for part in PARTS:
                 per_step[part].append(spent[part])
             per_step["other"].append(total - sum(spent[p] for p in PARTS))
             per_step["total"].append(total)
+            per_step["beyond forward+draft"].append(total - spent["forward"] - spent["draft"])
         while not sched.idle:
             sched.step()
         row = {"batch_size": b, "steps": len(per_step["total"])}
         row.update({part: statistics.median(v) * 1e3 for part, v in per_step.items()})
         rows.append(row)
-    names = [*PARTS, "other", "total"]
-    print("| batch | steps | " + " | ".join(f"{n} ms" for n in names) + " | beyond forward+draft |")
-    print("|---|---|" + "---|" * len(names) + "---|")
+    names = [*PARTS, "other", "total", "beyond forward+draft"]
+    print("| batch | steps | " + " | ".join(f"{n} ms" for n in names) + " |")
+    print("|---|---|" + "---|" * len(names))
     for r in rows:
-        beyond = r["total"] - r["forward"] - r["draft"]
-        print(f"| {r['batch_size']} | {r['steps']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + f" | {beyond:.2f} |")
+        print(f"| {r['batch_size']} | {r['steps']} | " + " | ".join(f"{r[n]:.3f}" for n in names) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -10,7 +10,7 @@ KV cache. Layers before the first skipped one see exactly the target's
 inputs, so their keys/values of committed tokens equal the target's rows.
 They are not shared: the `Drafter` protocol hands a drafter the committed
 tokens and hidden states, never the target's cache (it is the generation's
-`Decoding`'s, or a scheduler's batched row), so each generation's
+row of the scheduler's KV pool), so each generation's
 `LayerSkipState` keeps its own cache for every kept layer. What that costs:
 
 - memory: the kept layers' KV rows of the sequence a second time (for the

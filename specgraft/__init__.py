@@ -18,8 +18,8 @@ from specgraft.lazy import lazy_exports
 if TYPE_CHECKING:
     from specgraft.heads import Composite, DraftModel, Drafter, LayerSkip, PromptLookup, load_drafter, search_layer_skip
     from specgraft.infer import (
-        GenerationOutput, GenerationStats, Scheduler, SpeculativeGenerator, StreamChunk, lossy_typical_accept,
-        sample_accept,
+        Failed, Finished, GenerationOutput, GenerationStats, Scheduler, SpeculativeGenerator, StreamChunk, Tokens,
+        lossy_typical_accept, sample_accept,
     )
     from specgraft.model import KVCache, Target, load_target
     from specgraft.tree import Chain, DynamicTree, Sampling, StaticTree, Tree, parse_tree_spec
@@ -33,8 +33,8 @@ _EXPORTS = {
         "specgraft.heads",
     ),
     **dict.fromkeys(
-        ("GenerationOutput", "GenerationStats", "Scheduler", "SpeculativeGenerator", "StreamChunk", "lossy_typical_accept",
-         "sample_accept"),
+        ("Failed", "Finished", "GenerationOutput", "GenerationStats", "Scheduler", "SpeculativeGenerator", "StreamChunk",
+         "Tokens", "lossy_typical_accept", "sample_accept"),
         "specgraft.infer",
     ),
     **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.model"),

@@ -347,6 +347,43 @@ def test_batched_feature_drafts_score_each_node_as_a_causal_run_of_its_path(stor
             assert float(tree.scores[node]) == pytest.approx(causal_score(features, tokens, path), abs=1e-4), node
 
 
+def test_one_batch_mixing_every_drafter_kind_equals_each_alone_and_hf_greedy(stories, dev_prompts, trained_eagle):
+    """Plain, prompt lookup, a trained EAGLE head on a chain and on a dynamic tree, Medusa on a static tree, a draft
+    model and the composite, as rows of one scheduler: one verification forward per step serves them all, and every
+    row's output and acceptance histogram are the ones it gets alone (and HF's greedy text)."""
+    from conftest import tiny_causal_lm
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    drafters = {
+        "lookup": sg.PromptLookup(),
+        "eagle": eagle,
+        "medusa": with_random_head(stories, "medusa_static").drafter,
+        "draft": sg.DraftModel(tiny_causal_lm("llama", vocab_size=stories.vocab_size, seed=3), stories),
+        "composite": sg.Composite(sg.PromptLookup(max_matches=1), eagle),
+    }
+    rows = [
+        ("none", None), ("lookup", sg.Chain(4)), ("eagle", sg.Chain(4)), ("eagle", sg.DynamicTree(top_k=4, depth=5, budget=16)),
+        ("medusa", sg.StaticTree(BRANCHING_TREE)), ("draft", sg.Chain(3)), ("composite", sg.Chain(3)),
+    ]
+    prompts = [stories.encode(p) for p in dev_prompts[20 : 20 + len(rows)]]
+    budgets = [40, 33, 48, 29, 37, 24, 44]
+    sched = sg.Scheduler(stories, drafters, max_batch_size=len(rows))
+    driver = Driver(sched)
+    handles = [sched.submit(p, n, drafter=name, tree=tree, eos_token_id=()) for p, n, (name, tree) in zip(prompts, budgets, rows)]
+    driver.run(*handles)
+    counters = sched.counters
+    assert counters.verify_forwards == counters.steps  # one packed forward per step, whatever each row drafts
+    alone_steps = 0
+    for handle, prompt, n, (name, tree) in zip(handles, prompts, budgets, rows):
+        out = driver.result(handle)
+        alone = sg.SpeculativeGenerator(stories, drafters.get(name), tree=tree).generate(prompt, n, eos_token_id=())
+        assert out.token_ids == alone.token_ids == hf_generate(stories, prompt, n, eos_token_id=None), name
+        assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram, name
+        alone_steps += alone.stats.target_calls
+    assert counters.steps < alone_steps / 3  # the rows really shared their steps
+    assert driver.result(handles[2]).stats.mean_accepted_length > 2.0  # the trained head accepted deep paths
+
+
 def test_the_hugging_face_forward_verifies_row_by_row_with_the_same_output(prompts):
     from conftest import STORIES
 
@@ -435,6 +472,46 @@ def test_rows_sampled_together_follow_their_own_distributions(small_vocab_pair, 
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"
+
+
+def test_rows_with_different_drafters_and_temperatures_in_one_step_follow_their_own_distributions(small_vocab_pair):
+    """Plain, a sampled chain, a sampled tree, prompt lookup and the composite, each with its own temperature and
+    filter, 5 x 6 rows a step: every row setting fits its enumerated distribution."""
+    from collections import Counter
+
+    import torch
+
+    from specgraft.tools.exactness import fit
+
+    target, draft = small_vocab_pair
+    drafters = {"draft": draft, "lookup": sg.PromptLookup(max_ngram=2, num_tokens=3),
+                "composite": sg.Composite(sg.PromptLookup(max_ngram=2, min_ngram=2, max_matches=1), draft)}
+    settings = [  # (drafter, tree, temperature, filters)
+        ("none", None, 0.5, {}),
+        ("draft", sg.Chain(3, draw="sample"), 1.0, {"top_k": 3}),
+        ("draft", sg.StaticTree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], draw="sample"), 1.5, {}),
+        ("lookup", sg.Chain(3), 1.0, {"top_p": 0.8}),
+        ("composite", sg.Chain(3, draw="sample"), 0.7, {}),
+    ]
+    prompts = ([0, 1, 2, 0, 1], [3, 4, 5], [1, 1, 2, 2], [5, 0, 3, 2, 0, 3], [2, 4, 2, 4, 2])  # lookup finds repeats
+    sched = sg.Scheduler(target, drafters, max_batch_size=30, max_len=16)
+    driver = Driver(sched)
+    torch.manual_seed(11)  # unseeded rows draw their seeds from torch's global RNG
+    counts = [Counter() for _ in settings]
+    for _ in range(2400 // 6):  # 2,400 samples per row setting
+        handles = []
+        for i in range(30):
+            name, tree, temperature, filters = settings[i % 5]
+            handles.append((i % 5, sched.submit(prompts[i % 5], max_new_tokens=SAMPLING_LENGTH, drafter=name, tree=tree,
+                                                eos_token_id=(), temperature=temperature, **filters)))
+        while not sched.idle:
+            driver.step()
+        for i, handle in handles:
+            counts[i][tuple(driver.result(handle).token_ids)] += 1
+    assert sched.counters.verify_forwards == sched.counters.steps
+    for counter, prompt, (name, _, temperature, filters) in zip(counts, prompts, settings):
+        result = fit(counter, enumerated(target, prompt, temperature, filters))
+        assert result.passed, f"{name} T={temperature} {filters}: {result}"
 
 
 class _FailsOn(sg.PromptLookup):

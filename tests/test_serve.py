@@ -467,3 +467,48 @@ def test_streams_read_to_done_are_not_counted_as_disconnects(server, dev_prompts
         time.sleep(0.05)
     ok, gone = counts()
     assert (ok - ok_before, gone - gone_before) == (4, 0)
+
+
+def test_metrics_count_one_verification_forward_per_step_and_vllms_spec_decode_counters(server, client, dev_prompts):
+    """Concurrent requests with different drafters share steps: verification forwards equal engine steps."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    before = {name: metric(text, name) for name in ("specgraft_engine_steps_total", "specgraft_engine_verify_forwards_total")}
+
+    async def burst() -> None:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        drafters = ["none", "prompt-lookup", "eagle", "eagle"]
+        await asyncio.gather(*(aclient.completions.create(
+            model=MODEL, prompt=dev_prompts[10 + i], max_tokens=TOKENS, temperature=0,
+            extra_body={"speculative": {"drafter": d, **({"tree": "chain:3"} if i == 3 else {})}})
+            for i, d in enumerate(drafters)))
+        await aclient.close()
+
+    asyncio.run(burst())
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    steps = metric(text, "specgraft_engine_steps_total") - before["specgraft_engine_steps_total"]
+    forwards = metric(text, "specgraft_engine_verify_forwards_total") - before["specgraft_engine_verify_forwards_total"]
+    assert steps > 0 and forwards == steps
+    drafted, accepted = (metric(text, f"specgraft_spec_decode_num_{n}_total") for n in ("draft_tokens", "accepted_tokens"))
+    assert metric(text, "specgraft_spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafted
+    per_position = [metric(text, "specgraft_spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"') for i in range(4)]
+    assert per_position[0] > 0 and per_position == sorted(per_position, reverse=True)  # a path reaching i + 1 reached i
+    assert metric(text, "specgraft_kv_pool_bytes") > 0
+
+
+def test_the_kv_pool_bytes_are_the_same_with_one_drafter_and_with_four(eagle_dir):
+    target = sg.load_target(STORIES)
+    eagle = load_drafter(eagle_dir, target)
+    configured = {
+        "one": {"eagle": eagle},
+        "four": {"eagle": eagle, "self": sg.DraftModel(target, target), "lookup-eagle": sg.Composite(sg.PromptLookup(), eagle),
+                 "lookup-4": sg.PromptLookup(num_tokens=4)},
+    }
+    pool = {}
+    for name, drafters in configured.items():
+        running = ServerThread(create_app(target, drafters, model_name=MODEL, max_batch_size=8)).start()
+        try:
+            text = httpx.get(f"{running.url}/metrics", timeout=10).text
+        finally:
+            running.stop()
+        pool[name] = metric(text, "specgraft_kv_pool_bytes")
+    assert pool["one"] == pool["four"] > 0

@@ -101,22 +101,33 @@ class Segment:
     visible: torch.Tensor | None = None
 
 
+# A padded attention call over a group of rows may do at most this many times the attention work of the same
+# rows attended one by one: below it one call beats a call per row (stories260K: 16 trees of 8 nodes, 0.53 ms padded
+# against 0.80 ms per row a layer); above it the padding costs more than the calls save (SmolLM2, 16 rows of which
+# four trees of 8: 1.50 ms padded against 0.88 ms per row). benchmarks/packed_attention.py measures both.
+PADDED_WORK_RATIO = 2.0
+
+
 class PackedAttention:
     """How every layer of one packed forward writes its keys/values and attends, row by row.
 
     Built once per forward: each row's slots (taken from the pool), the write
-    index of every token and each row's mask. Rows of one token (plain
-    decoding, or nothing left to draft) attend together in one SDPA call over
-    the span of pool rows they lie in, one query each (a row of the span that
-    is not among them gets a zero query that sees one slot, and its output is
-    dropped); each other row attends in an SDPA call of its own over its own
-    slots. Measured on this CPU (benchmarks/packed_attention.py): one call per
-    row costs 1.5x one padded call at 16 one-token rows of stories260K, and
-    a padded call costs up to 2.4x the per-row calls once trees of different
-    sizes share it; one call over every row's keys with a block mask grows
-    with the square of the batch.
+    index of every token and the masks. Rows attend in one of two ways:
 
-    Shape legend: N packed tokens, R pool rows, S slots, Hq / Hkv heads, D head_dim.
+    - together, in one SDPA call over the span of pool rows they lie in, each
+      row's queries padded to the group's widest (a padding query, or a row of
+      the span outside the group, sees one slot and its output is dropped);
+    - alone, in an SDPA call of their own over their own slots.
+
+    The group is every row when padding costs at most `PADDED_WORK_RATIO`
+    times the attention work of the rows alone (plain decoding, trees of one
+    size); otherwise the one-token rows (which pad nothing), the others alone.
+    One call over every row's keys concatenated, with a block mask, grows with
+    the square of the batch, and flex_attention on this CPU costs more than
+    both (benchmarks/packed_attention.py).
+
+    Shape legend: N packed tokens, R pool rows, S slots, G rows in the group's span, T its widest row,
+    Hq / Hkv heads, D head_dim.
     """
 
     def __init__(self, pool: BatchedKVCache, segments: Sequence[Segment], device: torch.device) -> None:
@@ -126,47 +137,99 @@ class PackedAttention:
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + size)
-        self.rows = torch.tensor([seg.row for seg in segments], device=device).repeat_interleave(torch.tensor(sizes, device=device))  # (N,)
-        self.slots = torch.cat([torch.arange(start, start + size, device=device) for start, size in zip(starts, sizes)])  # (N,)
-        singles = [i for i, seg in enumerate(segments) if seg.size == 1]
-        if len(singles) < 2:
-            singles = []
+        self.rows = torch.tensor([seg.row for seg in segments for _ in range(seg.size)], device=device)  # (N,)
+        self.slots = torch.tensor([slot for start, n in zip(starts, sizes) for slot in range(start, start + n)], device=device)
+        dtype = pool.kv.dtype
+        everyone = list(range(len(segments)))
+        alone_work = sum(n * (start + n) for n, start in zip(sizes, starts))
+        rows = [seg.row for seg in segments]
+        padded_work = (max(rows) - min(rows) + 1) * max(sizes) * max(s + n for s, n in zip(starts, sizes))
+        if len(segments) > 1 and padded_work <= PADDED_WORK_RATIO * alone_work:
+            group = everyone
+        else:
+            group = [i for i in everyone if sizes[i] == 1]
+            group = group if len(group) > 1 else []
         self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
-        for i, (seg, start, offset) in enumerate(zip(segments, starts, offsets)):
-            if i in singles:
-                continue
-            if seg.size == 1:
-                mask = None  # one query sees every slot up to its own
-            else:
-                tree = seg.visible if seg.visible is not None else torch.ones(seg.size, seg.size, dtype=torch.bool, device=device).tril()
-                mask = torch.cat([torch.ones(seg.size, start, dtype=torch.bool, device=device), tree], dim=1)  # (T, start + T)
-            self.alone.append((offset, seg.size, seg.row, start + seg.size, mask))
-        self.grouped = None
-        if singles:
-            rows = [segments[i].row for i in singles]
-            lo, hi = min(rows), max(rows)
-            width = max(starts[i] for i in singles) + 1
-            seen = torch.ones(hi - lo + 1, dtype=torch.long, device=device)  # a row outside the group sees slot 0
-            seen[torch.tensor(rows, device=device) - lo] = torch.tensor([starts[i] + 1 for i in singles], device=device)
-            mask = (torch.arange(width, device=device)[None] < seen[:, None])[:, None, None]  # (span, 1, 1, width)
-            self.grouped = (lo, hi + 1, width, mask, torch.tensor(rows, device=device) - lo,
-                            torch.tensor([offsets[i] for i in singles], device=device))
+        for i in everyone:
+            if i not in group:
+                seg, start = segments[i], starts[i]
+                mask = None if seg.size == 1 else additive(_visible(seg, start, seg.size, start + seg.size, device), dtype)
+                self.alone.append((offsets[i], seg.size, seg.row, start + seg.size, mask))
+        self.group = None
+        if group:
+            lo, hi = min(rows[i] for i in group), max(rows[i] for i in group) + 1
+            width, widest = max(starts[i] + sizes[i] for i in group), max(sizes[i] for i in group)
+            # Each query sees its row's cached slots (a one-token row: its own slot too); a row of the span outside
+            # the group sees slot 0, and so do padding queries beyond that (their output is dropped).
+            seen = [1] * (hi - lo)
+            for i in group:
+                seen[rows[i] - lo] = starts[i] + (sizes[i] == 1)
+            # Room for every tree's block at its own slots, cut back to `width` below.
+            room = max(starts[i] for i in group) + widest
+            visible = torch.arange(room, device=device) < torch.tensor(seen, device=device)[:, None, None]  # (G, 1, room)
+            visible = visible.expand(hi - lo, widest, room).clone()
+            grid, columns = [], []  # where each member's token sits in the (G * T) query grid, and in the packed N
+            for i in group:
+                r, n = rows[i] - lo, sizes[i]
+                grid += range(r * widest, r * widest + n)
+                columns += range(offsets[i], offsets[i] + n)
+            trees = [i for i in group if sizes[i] > 1]
+            if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
+                block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
+                for m, i in enumerate(trees):
+                    block[m, : sizes[i], : sizes[i]] = _tree(segments[i], device)
+                at = torch.tensor([starts[i] for i in trees], device=device)[:, None, None] + torch.arange(widest, device=device)
+                local = torch.tensor([rows[i] - lo for i in trees], device=device)
+                visible[local] = visible[local].scatter(2, at.expand(-1, widest, -1), block)
+            # The packed order already is the padded one (every token in the group, each row of the span in turn,
+            # all of one size): no moves.
+            in_place = not self.alone and grid == columns == list(range((hi - lo) * widest))
+            self.group = (lo, hi, widest, width, additive(visible[:, None, :, :width], dtype),
+                          *((None, None) if in_place else (torch.tensor(grid, device=device), torch.tensor(columns, device=device))))
 
     def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write layer ``layer``'s packed keys/values (1, Hkv, N, D) and attend (1, Hq, N, D) -> (1, Hq, N, D)."""
+        """Write layer ``layer``'s packed keys/values (1, Hkv, N, D) and attend with (1, Hq, N, D) queries -> (1, N, Hq * D)."""
         self.pool.write_packed(layer, self.rows, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, Hkv, D)
         keys, values = self.pool.kv[layer, 0], self.pool.kv[layer, 1]  # (R, Hkv, S, D)
+        heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
+        if self.group is not None and self.group[-1] is None:  # every row, in row order, of one size: no padding
+            lo, hi, widest, width, mask, _, _ = self.group
+            grouped = q.transpose(1, 2).reshape(hi - lo, widest, heads, dim).transpose(1, 2)  # (G, Hq, T, D)
+            result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
+            return result.transpose(1, 2).reshape(1, n, heads * dim)
         out = torch.empty_like(q)
         for offset, size, row, seen, mask in self.alone:
             part = slice(offset, offset + size)
             out[:, :, part] = model._attend(q[:, :, part], keys[row : row + 1, :, :seen], values[row : row + 1, :, :seen], mask)
-        if self.grouped is not None:
-            lo, hi, width, mask, members, columns = self.grouped
-            grouped_q = q.new_zeros(hi - lo, q.shape[1], 1, q.shape[3])  # (span, Hq, 1, D)
-            grouped_q[members] = q[0, :, columns].transpose(0, 1)[:, :, None]
-            grouped = model._attend(grouped_q, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (span, Hq, 1, D)
-            out[0, :, columns] = grouped[members, :, 0].transpose(0, 1)
-        return out
+        if self.group is not None:
+            lo, hi, widest, width, mask, grid, columns = self.group
+            grouped = q.new_zeros(heads, (hi - lo) * widest, dim)  # (Hq, G * T, D)
+            grouped[:, grid] = q[0, :, columns]
+            grouped = grouped.view(heads, hi - lo, widest, dim).transpose(0, 1)  # (G, Hq, T, D)
+            result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
+            out[0, :, columns] = result.transpose(0, 1).reshape(heads, -1, dim)[:, grid]
+        return out.transpose(1, 2).reshape(1, n, heads * dim)
+
+
+def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: which of a row's new tokens each sees (causal when the segment names no tree)."""
+    if segment.visible is not None:
+        return segment.visible
+    return torch.ones(segment.size, segment.size, dtype=torch.bool, device=device).tril()
+
+
+def _visible(segment: Segment, start: int, size: int, width: int, device: torch.device) -> torch.Tensor:
+    """(size, width) bool: what each of a row's new tokens sees of slots [0, width): its cached slots and its tree."""
+    visible = torch.zeros(size, width, dtype=torch.bool, device=device)
+    visible[:, :start] = True
+    visible[:, start : start + size] = _tree(segment, device)
+    return visible
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as SDPA's additive float mask: 0 where visible, the dtype's minimum elsewhere (measured ~4 us
+    a call faster than the bool mask on this CPU)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 @dataclass
@@ -481,8 +544,7 @@ class FastLlama:
                 states[i] = x[0]
             h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
             q, k, v = self._project(layer, h, cos, sin)  # (1, Hq, N, D), (1, Hkv, N, D) x 2
-            out = packed.attend(self, i, q, k, v)  # (1, Hq, N, D)
-            out = out.transpose(1, 2).reshape(1, -1, self.num_heads * self.head_dim)  # (1, N, Hq * D)
+            out = packed.attend(self, i, q, k, v)  # (1, N, Hq * D)
             x = x + linear(out, layer.o, layer.o_bias)
             x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
         x = rms_norm(x, self.final_norm, self.eps)  # (1, N, H)
