@@ -134,8 +134,9 @@ class SpeculativeGenerator:
         sched, self._spare = self._spare, None  # taken: a stream read alongside builds its own
         if sched is None or sched.max_len < max_len:
             sched = self.scheduler(max_batch_size=1, max_len=max_len)
-        handle = sched.submit(checked, max_new_tokens, text=text, **options)
+        handle = None
         try:
+            handle = sched.submit(checked, max_new_tokens, text=text, **options)  # bad options raise here
             while not sched.idle:
                 for event in sched.step():
                     if isinstance(event, Failed):
