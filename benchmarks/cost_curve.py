@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cached", type=int, default=200, help="tokens already in the KV cache")
     parser.add_argument("--repeats", type=int, default=9, help="rounds per thread count (after one warm-up round)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--small-rows", default="auto", choices=["auto", "linear", "transposed"],
+                        help="how the fast path's few-row products run: measured at each thread count, or pinned")
     parser.add_argument("--out", default="runs/cost_curve.json", help="JSON written here")
     args = parser.parse_args(argv)
     if 1 not in args.lengths:
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for threads in args.threads:
         torch.set_num_threads(threads)
+        choice = target.fast.choose_small_rows(args.small_rows) if target.fast is not None else target.small_rows
+        print(f"{threads} thread(s): small-row products: {choice.describe()}")
         times = measure(target, lengths, args.cached, args.repeats)
         median = {n: statistics.median(ts) for n, ts in times.items()}
         results.append({
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_s": {str(n): min(times[n]) for n in lengths},
             "ratio": {str(n): median[n] / median[1] for n in lengths},
             "times_s": {str(n): times[n] for n in lengths},
+            "small_rows": choice.to_dict(),
         })
     report = {
         "target": target.name,

@@ -3,11 +3,12 @@
 
 Why: verifying n draft tokens multiplies n rows by every weight of the target.
 Reading the weights dominates on CPU, so n rows should cost about one row, but
-the BLAS here runs ``x @ W.T`` for 2-4 rows at 1.5-3x the one-row time and
-``W @ x.T`` at about the one-row time. `specgraft.model.fast_llama.linear`
-takes the second form for 2 to SMALL_ROWS rows; this measures the choice on
-the machine at hand. Each shape cycles through enough copies of the weight to
-defeat the caches, as a 30-layer forward does.
+BLAS builds differ in which form runs 2-4 rows near the one-row time. The fast
+path measures both at load, per weight shape and row count
+(`specgraft.model.small_rows`); this prints the same comparison for
+SmolLM2-135M's shapes, with the form that choice keeps ("chosen"), at more
+row counts. Each shape cycles through enough copies of the weight to defeat
+the caches, as a 30-layer forward does.
 
     python benchmarks/small_gemm.py --threads 1 --rows 1 2 3 4 5 6 8
 """
@@ -19,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from specgraft.model.small_rows import SMALL_ROWS, choose, transposed_linear
 
 # SmolLM2-135M's projections (out, in): gate/up, down, q/o, k/v, lm_head
 SHAPES = [(1536, 576), (576, 1536), (576, 576), (192, 576), (49152, 576)]
@@ -42,15 +45,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"| weight (out x in) | rows | F.linear ms | W @ x.T ms |\n|---|---|---|---|")
+    print("| weight (out x in) | rows | F.linear ms | W @ x.T ms | chosen |\n|---|---|---|---|---|")
     for out_f, in_f in SHAPES:
         copies = max(1, STREAMED_BYTES // (out_f * in_f * 4))
         weights = [torch.randn(out_f, in_f) for _ in range(copies)]
         for rows in args.rows:
             x = torch.randn(rows, in_f)
             plain = per_call_ms(lambda w: F.linear(x, w), weights, args.repeats)
-            transposed = per_call_ms(lambda w: (w @ x.t()).t().contiguous(), weights, args.repeats)
-            print(f"| {out_f} x {in_f} | {rows} | {plain:.3f} | {transposed:.3f} |")
+            transposed = per_call_ms(lambda w: transposed_linear(x, w), weights, args.repeats)
+            chosen = "W @ x.T" if rows <= SMALL_ROWS and choose({(out_f, in_f, rows): (plain, transposed)}) else "F.linear"
+            print(f"| {out_f} x {in_f} | {rows} | {plain:.3f} | {transposed:.3f} | {chosen} |")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 
 from specgraft.specs import LayerSkipSpec
 from specgraft.model import Target
-from specgraft.model.fast_llama import FastLlama, linear, rms_norm
+from specgraft.model.fast_llama import FastLlama, rms_norm
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class _Packed:
     def agreement(self, fast: FastLlama, out: torch.Tensor) -> float:
         """Fraction of scored rows where the final (1, T, H) states' top-1 is the target's token."""
         h = rms_norm(out[0, self.scored], fast.final_norm, fast.eps)  # (P, H)
-        logits = linear(h, fast.lm_head, fast.lm_head_bias)  # (P, V)
+        logits = fast.linear(h, fast.lm_head, fast.lm_head_bias)  # (P, V)
         return float((logits.argmax(-1) == self.labels).float().mean())
 
 

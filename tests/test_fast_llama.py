@@ -15,7 +15,7 @@ from conftest import STORIES, filled_cache, tiny_causal_lm
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import specgraft as sg
-from specgraft.model import FastLlama, StaticKVCache, fast_llama, unsupported_reason
+from specgraft.model import FastLlama, StaticKVCache, fast_llama, small_rows, unsupported_reason
 from specgraft.model import KVCache, Target
 from specgraft.tree import additive_mask
 
@@ -29,8 +29,8 @@ ACCEPTED = [0, 2, 5]
 class Pair:
     """A fast and an HF target over one model, each with its own cache, driven in lockstep."""
 
-    def __init__(self, model) -> None:
-        self.fast = sg.load_target(model, fast=True)
+    def __init__(self, model, small_rows: str = "linear") -> None:
+        self.fast = sg.load_target(model, fast=True, small_rows=small_rows)
         self.hf = sg.load_target(model, fast=False)
         assert self.fast.fast is not None and self.hf.fast is None
         self.caches = (self.fast.new_cache(), self.hf.new_cache())
@@ -106,11 +106,10 @@ CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "llama-
 
 
 @pytest.fixture(params=CASES)
-def pair(request, monkeypatch) -> Pair:
+def pair(request) -> Pair:
     name = request.param
-    if name.endswith("-small-rows"):  # the tiny weights take the transposed product real models take
-        monkeypatch.setattr(fast_llama, "SMALL_ROWS_MIN_WEIGHTS", 0)
-        name = name.removesuffix("-small-rows")
+    if name.endswith("-small-rows"):  # every few-row product takes the transposed form, as it may on a real CPU
+        return Pair(_model(name.removesuffix("-small-rows")), small_rows="transposed")
     return Pair(_model(name))
 
 
@@ -154,7 +153,7 @@ def test_tree_with_4d_mask_matches_hf(pair):
 
 @pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 0], [-1, 0, 1, 1]], ids=["2", "3", "4"])
 def test_trees_of_two_to_four_nodes_match_hf(pair, parents):
-    """2-4 rows: sizes `fast_llama.linear` computes as ``weight @ x.T`` on CPU (1 row is every decode step)."""
+    """2-4 rows: sizes `FastLlama.linear` may compute as ``weight @ x.T`` on CPU (1 row is every decode step)."""
     pair.forward(_ids(pair, 24), torch.arange(24)[None])
     mask = tree_mask(24, parents, pair.fast.dtype)
     positions = (24 + tree_depths(parents))[None]
@@ -164,19 +163,53 @@ def test_trees_of_two_to_four_nodes_match_hf(pair, parents):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear_and_takes_the_transposed_product_up_to_four_rows(rows, bias, monkeypatch):
+def test_linear_takes_the_chosen_form_per_shape_and_rows_and_both_equal_f_linear(rows, bias, monkeypatch):
     torch.manual_seed(rows)
-    weight = torch.randn(300, 256)  # 76,800 weights: above SMALL_ROWS_MIN_WEIGHTS
+    weight, other = torch.randn(300, 256), torch.randn(256, 256)
     b = torch.randn(300) if bias else None
     x = torch.randn(1, rows, 256)
     want = torch.nn.functional.linear(x, weight, b)
+    fast = FastLlama.for_layers([], LlamaConfig(hidden_size=256, num_attention_heads=4), rotary=None)
+    # Injected: the transposed form measured faster for 300x256 at 2 and 4 rows only.
+    fast.small_rows = small_rows.SmallRowChoice(frozenset({(300, 256, 2), (300, 256, 4)}), how="injected")
     calls = []
-    real = fast_llama.F.linear
-    monkeypatch.setattr(fast_llama.F, "linear", lambda *a: calls.append(a) or real(*a))
-    got = fast_llama.linear(x, weight, b)
+    real = small_rows.transposed_linear
+    monkeypatch.setattr(fast_llama, "transposed_linear", lambda *a: calls.append(a) or real(*a))
+    got = fast.linear(x, weight, b)
     assert got.shape == want.shape == (1, rows, 300) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    assert len(calls) == (0 if rows <= fast_llama.SMALL_ROWS else 1)
+    assert len(calls) == (1 if rows in (2, 4) else 0)
+    fast.linear(torch.randn(rows, 256), other)  # another shape: never chosen, so F.linear
+    assert len(calls) == (1 if rows in (2, 4) else 0)
+    torch.testing.assert_close(small_rows.transposed_linear(x, weight, b), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_choice_keeps_the_transposed_form_only_where_it_measured_faster():
+    timings = {(10, 8, 1): (1.0, 2.0), (10, 8, 2): (2.0, 1.0), (10, 8, 3): (1.5, 1.5), (4, 4, 2): (0.3, 0.1)}
+    assert small_rows.choose(timings) == {(10, 8, 2), (4, 4, 2)}  # a tie keeps F.linear
+    # On any machine, then, every product runs at most at F.linear's measured time.
+    chosen = small_rows.choose(timings)
+    assert all(min(a, b) == (b if k in chosen else a) for k, (a, b) in timings.items())
+
+
+def test_auto_measures_every_shape_at_one_to_four_rows_and_pins_are_named(monkeypatch):
+    model = tiny_causal_lm("llama", vocab_size=VOCAB, seed=1)
+    target = sg.load_target(model, small_rows="auto", threads=1)
+    shapes = {tuple(w.shape) for w in [model.lm_head.weight] + [
+        m.weight for layer in model.model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+        layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]}
+    choice = target.small_rows
+    assert set(choice.timings) == {(o, i, r) for o, i in shapes for r in range(1, small_rows.SMALL_ROWS + 1)}
+    assert choice.transposed == small_rows.choose(choice.timings) and "measured here" in choice.describe()
+    assert all(a > 0 and b > 0 for a, b in choice.timings.values())
+    monkeypatch.setenv(small_rows.ENV, "transposed")
+    pinned = sg.load_target(model, threads=1).small_rows
+    assert len(pinned.transposed) == len(choice.timings) and small_rows.ENV in pinned.describe()
+    monkeypatch.setenv(small_rows.ENV, "fastest")
+    with pytest.raises(ValueError, match="SPECGRAFT_SMALL_ROWS='fastest' must be one of auto, linear, transposed"):
+        sg.load_target(model, threads=1)
+    with pytest.raises(ValueError, match="small_rows='fast'"):
+        sg.load_target(model, small_rows="fast")
 
 
 def test_decoding_after_keep_of_a_non_contiguous_path_matches_hf(pair):

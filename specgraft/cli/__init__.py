@@ -43,6 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target, drafter, tree = _load(args)
     if target.threads is not None:
         print(f"threads: {target.threads.threads or 'unchanged'} ({target.threads.why})", file=sys.stderr)
+    print(f"small-row products: {target.small_rows.describe()}", file=sys.stderr)
     has_template = bool(getattr(target.tokenizer, "chat_template", None))
     if args.chat and not has_template:
         raise ValueError(f"--chat: target {target.name!r} has no chat template; give the prompt as plain text")

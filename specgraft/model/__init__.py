@@ -5,10 +5,12 @@
 - `fast_llama`: `FastLlama`, the same maths as Llama, Mistral, Qwen2 and Qwen3
   without Hugging Face's per-call machinery.
 - `caches`: `KVCache`, `StaticKVCache` and `BatchedKVCache`, one protocol.
+- `small_rows`: which form each weight shape's few-row product takes, measured on this machine.
 """
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
 from specgraft.model.fast_llama import FastLlama, Segment, rms_norm, unsupported_reason
+from specgraft.model.small_rows import SmallRowChoice
 from specgraft.model.target import (
     CACHE_KEYWORDS,
     TREE_SLOTS,
@@ -28,6 +30,7 @@ __all__ = [
     "KVCache",
     "ModelOutput",
     "Segment",
+    "SmallRowChoice",
     "StaticKVCache",
     "Target",
     "cache_keyword",

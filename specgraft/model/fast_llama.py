@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
+from specgraft.model.small_rows import SMALL_ROWS, SmallRowChoice, small_row_choice, transposed_linear
 
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
 # refused: they may override any part of the forward.
@@ -274,37 +275,6 @@ def _layer(layer: nn.Module) -> _Layer:
     )
 
 
-# On CPU, BLAS runs ``x @ W.T`` for 2-4 rows at up to 3x the time of one row (MKL here: the 49K x 576
-# lm_head takes 6.7 ms for 1 row, 13.4 ms for 2, 10.6 ms for 4), while ``W @ x.T`` reads the weights once
-# for all rows, faster for 2 or 4 columns than for 1 or 3 (4.5 ms for 2, 5.2 ms for 4).
-# benchmarks/small_gemm.py measures both; benchmarks/cost_curve.py the whole forward (SmolLM2-135M,
-# 1 thread: T(2)/T(1) 1.57 -> 1.02, T(4)/T(1) 1.47 -> 1.15, and T(1) itself 7% lower).
-SMALL_ROWS = 4
-# Below this many weights (256 KiB in float32) a product is compute-bound in cache and the extra copies of
-# the transposed form cost more than they save (stories260K: T(2)/T(1) is 1.10 with F.linear, 1.47 with it).
-SMALL_ROWS_MIN_WEIGHTS = 1 << 16
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` (x (..., K) @ weight (N, K).T + bias), as ``weight @ x.T`` for up to SMALL_ROWS rows on CPU.
-
-    Why: verifying a few draft tokens should cost about one token, as reading the
-    weights dominates; with the plain GEMM it costs 1.5-2x on this kind of CPU.
-    Results agree with ``F.linear`` within float32 rounding (another summation order).
-    """
-    rows = x.numel() // x.shape[-1]
-    if not 1 <= rows <= SMALL_ROWS or weight.numel() < SMALL_ROWS_MIN_WEIGHTS or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])  # (rows, K)
-    if rows % 2:  # an odd column count is slower than one more: pad with a zero row
-        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-    # contiguous: SDPA's fused CPU kernel and the next product want row-major rows.
-    out = torch.mm(weight, flat.t()).t()[:rows].contiguous()  # (rows, N)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, round to the input dtype, then scale."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -346,6 +316,26 @@ class FastLlama:
         self.layers = [_layer(layer) for layer in layers]
         self.rotary = rotary
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos, signed sin
+        self.small_rows = SmallRowChoice()  # F.linear everywhere until `choose_small_rows`
+
+    def choose_small_rows(self, mode: str | None = None) -> SmallRowChoice:
+        """Measure (or pin, see `small_row_choice`) which form each of this model's weight shapes runs at few rows."""
+        weights: dict[tuple[int, int], list[torch.Tensor]] = {}
+        mats = [self.lm_head] if self.lm_head is not None else []
+        for layer in self.layers:
+            mats += [layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down]
+        for w in mats:
+            weights.setdefault(tuple(w.shape), []).append(w)
+        self.small_rows = small_row_choice(weights, mode)
+        return self.small_rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` (x (..., K) @ weight (N, K).T + bias), or the same product as ``weight @ x.T`` where this
+        machine ran it faster for this shape and row count (`specgraft.model.small_rows`)."""
+        rows = x.numel() // x.shape[-1]
+        if rows <= SMALL_ROWS and (weight.shape[0], weight.shape[1], rows) in self.small_rows.transposed:
+            return transposed_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> FastLlama:
@@ -427,7 +417,7 @@ class FastLlama:
             states[self.num_layers] = x
         if last_only:
             x = x[:, -1:]
-        logits = linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
+        logits = self.linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
         return logits, {i: states[i % count] for i in hidden_layers}
 
     def run_layers(
@@ -483,16 +473,16 @@ class FastLlama:
         keys, values = cache.update(index, step.start, k, v)  # (B, Hkv, L, D) each
         out = self._attend(q, keys, values, step.mask, causal=step.causal)  # (B, Hq, T, D)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, Hq * D)
-        return linear(out, layer.o, layer.o_bias)  # (B, T, H)
+        return self.linear(out, layer.o, layer.o_bias)  # (B, T, H)
 
     def _project(
         self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, Hq, T, D) and keys, values (B, Hkv, T, D) of (B, T, K) normed inputs, RoPE applied."""
         b, t, _ = h.shape
-        q = linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
-        k = linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = linear(h, layer.v, layer.v_bias).view(b, t, self.kv_heads, self.head_dim)
+        q = self.linear(h, layer.q, layer.q_bias).view(b, t, self.num_heads, self.head_dim)  # (B, T, Hq, D)
+        k = self.linear(h, layer.k, layer.k_bias).view(b, t, self.kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = self.linear(h, layer.v, layer.v_bias).view(b, t, self.kv_heads, self.head_dim)
         if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
             q = rms_norm(q, layer.q_norm, self.eps)
             k = rms_norm(k, layer.k_norm, self.eps)
@@ -545,18 +535,18 @@ class FastLlama:
             h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
             q, k, v = self._project(layer, h, cos, sin)  # (1, Hq, N, D), (1, Hkv, N, D) x 2
             out = packed.attend(self, i, q, k, v)  # (1, N, Hq * D)
-            x = x + linear(out, layer.o, layer.o_bias)
+            x = x + self.linear(out, layer.o, layer.o_bias)
             x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
         x = rms_norm(x, self.final_norm, self.eps)  # (1, N, H)
         if self.num_layers in wanted:
             states[self.num_layers] = x[0]
-        logits = linear(x, self.lm_head, self.lm_head_bias)[0]  # (N, V)
+        logits = self.linear(x, self.lm_head, self.lm_head_bias)[0]  # (N, V)
         return logits, {i: states[i % count] for i in hidden_layers}
 
     def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Layer's SiLU MLP on its (B, T, H) normed input -> (B, T, H); no residual is added."""
-        gate = F.silu(linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
-        return linear(gate * linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
+        gate = F.silu(self.linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
+        return self.linear(gate * self.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at each position, (B, T, 1, D), from the model's own rotary module.

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
 from specgraft.model.fast_llama import FastLlama, Segment, unsupported_reason
+from specgraft.model.small_rows import MODES as SMALL_ROW_MODES, SmallRowChoice
 from specgraft.threads import ThreadChoice, apply_threads, choose_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -135,6 +136,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return (self.fast.embed if self.fast is not None else next(self.model.parameters())).dtype
+
+    @property
+    def small_rows(self) -> SmallRowChoice:
+        """How the fast path multiplies a few rows by each weight shape (F.linear everywhere on HF's forward)."""
+        return self.fast.small_rows if self.fast is not None else SmallRowChoice(how="F.linear everywhere (Hugging Face's forward)")
 
     @property
     def vocab_size(self) -> int:
@@ -377,6 +383,7 @@ def load_target(
     fast: bool | str = "auto",
     threads: int | str | None = "auto",
     gguf_file: str | None = None,
+    small_rows: str | None = None,
 ) -> Target:
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
 
@@ -388,7 +395,12 @@ def load_target(
     faster than torch's default on a shared CPU); an int sets that many; None
     leaves torch's setting. ``gguf_file`` names a GGUF file in the directory to
     de-quantize and load (``pip install 'specgraft[gguf]'``) instead of
-    safetensors weights.
+    safetensors weights. ``small_rows`` says how the fast path multiplies a few
+    rows (a verified tree) by its weights: "auto" (default, or what the
+    ``SPECGRAFT_SMALL_ROWS`` environment variable says) times ``F.linear``
+    against ``weight @ x.T`` for each weight shape at 1-4 rows on this machine,
+    after the threads are set, and keeps the faster (`specgraft.model.small_rows`);
+    "linear" or "transposed" pins one form. The choice is ``target.small_rows``.
 
     Raises:
         FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
@@ -401,11 +413,15 @@ def load_target(
         TypeError: a forward that takes no KV cache keyword.
     """
     choose_threads(0, "cpu", threads)  # a bad value fails before the model loads
+    if small_rows is not None and small_rows not in SMALL_ROW_MODES:
+        raise ValueError(f"small_rows={small_rows!r} must be one of {', '.join(SMALL_ROW_MODES)}")
     target = load_model(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
         fast=fast, gguf_file=gguf_file,
     )
     target.threads = apply_threads(target.model, threads)
+    if target.fast is not None:  # timed at the thread count the model will run with
+        target.fast.choose_small_rows(small_rows)
     return target
 
 

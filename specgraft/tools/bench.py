@@ -347,6 +347,7 @@ def _settings(
         "baselines": list(baselines),
         "reference": reference,
         "threads": threads,
+        "small_rows": target.small_rows.to_dict(),
         "warmup_prompts": warmup,
         "order": "interleaved per prompt; the method order rotates by one each prompt",
         "clock": "wall time of one whole generate call per prompt, prefill included, the same for every method",
@@ -439,7 +440,8 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     results = run_batch_sweep(
         target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens
     )
-    results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts))
+    results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
+                               small_rows=target.small_rows.to_dict())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -557,6 +559,7 @@ def bench_main(args: argparse.Namespace) -> int:
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     choice = target.threads
     print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
+    print(f"small-row products: {target.small_rows.describe()}", file=sys.stderr)
     methods = _methods(args, trees, target)
     if batch_sizes:
         return _batch_bench(args, target, methods, prompts, batch_sizes, choice.why)

@@ -26,7 +26,9 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         + (f"sampled at temperature {temperature}, " if temperature else "greedy, ")
         + f"{settings['threads']} thread(s)"
         + (f" ({settings['threads_choice']})" if settings.get("threads_choice") else "")
-        + f", {settings['device']} {settings['dtype']}. "
+        + f", {settings['device']} {settings['dtype']}"
+        + (f"; small-row products: {settings['small_rows']['choice']}" if settings.get("small_rows") else "")
+        + ". "
         + (
             "Sampled outputs are not compared (each method draws its own)."
             if temperature
