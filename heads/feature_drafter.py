@@ -94,14 +94,48 @@ class FeatureDraftState:
         if pairs:
             positions = torch.arange(pairs, device=drafter.device)[None]
             drafter.head.draft_step(features[None, :pairs], prompt_ids[None, 1:], positions, None, cache)
-        self.features = features[pairs:]  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
-        self.next_tokens = prompt_ids[1 + pairs :]  # t_{len(cache)+1} .. t_{n-1}
+        self._features = features[pairs:]  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
+        self._next_tokens = prompt_ids[1 + pairs :]  # t_{len(cache)+1} .. t_{n-1}
+        # Commits since the last round, turned into features in one go when a round reads them: a row that
+        # does not draft for many steps (its tree sized to nothing under load) pays no per-step copies.
+        self.pending: list[tuple[torch.Tensor, dict[int, torch.Tensor]]] = []
 
     @torch.inference_mode()
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
-        self.features = torch.cat([self.features, self.drafter.head.draft_features(hidden)])
-        self.next_tokens = torch.cat([self.next_tokens, tokens.flatten().to(self.drafter.device)])
+        # Copies of this row's states: a view would keep the whole step's forward output alive until the flush.
+        self.pending.append((tokens.flatten().to(self.drafter.device), {i: h.clone() for i, h in hidden.items()}))
         self.length += tokens.numel()
+
+    @property
+    def features(self) -> torch.Tensor:
+        self._flush()
+        return self._features
+
+    @features.setter
+    def features(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._features = value
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        self._flush()
+        return self._next_tokens
+
+    @next_tokens.setter
+    def next_tokens(self, value: torch.Tensor) -> None:
+        self._flush()
+        self._next_tokens = value
+
+    @torch.inference_mode()
+    def _flush(self) -> None:
+        """Fold the pending commits into ``features`` and ``next_tokens`` (one feature computation for all)."""
+        if not self.pending:
+            return
+        tokens, hidden = zip(*self.pending)
+        self.pending = []
+        joined = {layer: torch.cat([h[layer] for h in hidden]) for layer in hidden[0]}
+        self._features = torch.cat([self._features, self.drafter.head.draft_features(joined)])
+        self._next_tokens = torch.cat([self._next_tokens, *tokens])
 
     def cache_tokens(self) -> int:
         return self.peak

@@ -33,6 +33,7 @@ length for the whole batch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
@@ -41,10 +42,11 @@ import torch
 
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
+from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import AcceptRule, accept, sample_accept
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
-from specgraft.tree import Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
+from specgraft.tree import Adaptive, Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
 T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
@@ -66,6 +68,7 @@ class EngineCounters:
 
     steps: int = 0
     verify_forwards: int = 0
+    adaptive_selected: int | None = None  # draft nodes the goodput controller kept in the last step (None: no adaptive row)
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -137,6 +140,7 @@ class Scheduler:
         self.queued: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.counters = EngineCounters()
+        self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
         self._next_handle = 0
 
     # ------------------------------------------------------------------ the pool
@@ -204,6 +208,8 @@ class Scheduler:
             acceptance=self.default_acceptance if acceptance is None else acceptance, text=text, **options,
         )
         self._next_handle += 1
+        if isinstance(request.tree, Adaptive) and self.controller is None:
+            self.controller = GoodputController(self.target)
         self.queued.append(request)
         return request.handle
 
@@ -288,6 +294,11 @@ class Scheduler:
         live = [r for r in live if r.handle in trees]
         if not live:
             return
+        self.counters.adaptive_selected = None
+        if self.controller is not None and any(isinstance(r.tree, Adaptive) for r in live):
+            trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle], isinstance(r.tree, Adaptive))
+                                            for r in live])
+            self.counters.adaptive_selected = self.controller.selected_last
         prefixes = {r.handle: len(r.cache) for r in live}
         verified = self._verify(live, trees, prefixes, events)
         for request in live:
@@ -300,8 +311,13 @@ class Scheduler:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
         trees: dict[int, Tree] = {}
         together: dict[str, list[tuple[Request, DraftRequest]]] = {}
+        planned = {}  # adaptive rows: how deep the goodput controller lets each draft
+        if self.controller is not None:
+            adaptive = [(r.handle, r.drafter, min(r.tree.max_depth, r.rule.remaining() - 1))
+                        for r in live if r.draft is not None and isinstance(r.tree, Adaptive)]
+            planned = self.controller.plan(adaptive, batch=len(live)) if adaptive else {}
         for request in live:
-            max_depth = request.rule.remaining() - 1
+            max_depth = min(request.rule.remaining() - 1, planned.get(request.handle, request.rule.remaining()))
             request.drafted = request.draft is not None and max_depth >= 1
             if not request.drafted:
                 trees[request.handle] = Tree.root_only(request.root, self.target.device)
@@ -310,13 +326,27 @@ class Scheduler:
                                      request.draft_row or 0)
                 together.setdefault(request.drafter_name, []).append((request, draft))
             else:
+                start = time.thread_time()
                 tree = self._isolated(request, events, lambda: request.draft.propose(
                     request.root, request.tree, max_depth, request.sampling))
+                self._observe_draft(request.drafter, [tree], start)
                 if tree is not None:
                     trees[request.handle] = tree.to(self.target.device)
         for name, group in together.items():
-            trees.update(self._draft_together(name, group, events))
+            start = time.thread_time()
+            drafted = self._draft_together(name, group, events)
+            trees.update(drafted)
+            self._observe_draft(self.drafters[name], list(drafted.values()), start)
         return trees
+
+    def _observe_draft(self, drafter: Drafter, trees: list[Tree | None], start: float) -> None:
+        """Tell the controller what drafting these trees cost (per row and level of the trees drafted).
+
+        Timed on this thread's CPU clock: a server's HTTP thread holding the GIL meanwhile is not the drafter's cost.
+        """
+        if self.controller is not None:
+            levels = max((t.max_depth for t in trees if t is not None), default=0)
+            self.controller.observe_draft(drafter, len(trees), max(levels, 1), time.thread_time() - start)
 
     def _draft_together(self, name: str, group: list[tuple[Request, DraftRequest]], events: list[Event]) -> dict[int, Tree]:
         """A batch drafter's trees for its rows, in one go. If it raises, the rows draft again one by one,
@@ -353,9 +383,12 @@ class Scheduler:
                     return out.logits[0], {i: h[0] for i, h in out.hidden.items()}
 
                 self.counters.verify_forwards += 1
+                start = time.perf_counter()
                 result = self._isolated(request, events, forward)
                 if result is not None:
                     verified[request.handle] = result
+                    if self.pool is not None and self.controller is not None:  # one row: the step's one forward
+                        self.controller.observe_forward(tree.num_nodes, time.perf_counter() - start)
             return verified
         segments, tokens, positions = [], [], []
         for request in live:
@@ -365,7 +398,10 @@ class Scheduler:
             positions.append(prefix + tree.depth)
         layers = tuple(sorted({i for r in live for i in r.hidden_layers}))
         self.counters.verify_forwards += 1
+        start = time.perf_counter()
         out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
+        if self.controller is not None:
+            self.controller.observe_forward(sum(s.size for s in segments), time.perf_counter() - start)
         verified, offset = {}, 0
         for request, segment in zip(live, segments):
             part = slice(offset, offset + segment.size)
@@ -380,12 +416,20 @@ class Scheduler:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens."""
         kv_peak = prefix + tree.num_nodes + (request.draft.cache_tokens() if request.draft is not None else 0)
         accepted = accept(tree, logits, request.sampling, request.acceptance)
-        request.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
+        count = accepted.path.numel()
+        # A chain's accepted path is its first nodes, in their slots already: a view and a crop, no gather.
+        path = slice(0, count) if tree.is_chain else accepted.path
+        if tree.is_chain:
+            request.cache.crop(prefix + count)
+        else:
+            request.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
         if request.draft is not None:
-            request.draft.commit(tree.tokens[accepted.path], {i: h[accepted.path] for i, h in hidden.items()},
+            request.draft.commit(tree.tokens[path], {i: h[path] for i, h in hidden.items()},
                                  accepted.path if request.drafted else None)
         request.root = accepted.next_token
-        committed = tree.tokens[accepted.path[1:]].tolist() + [accepted.next_token]
+        if self.controller is not None:
+            self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)
+        committed = tree.tokens[path][1:].tolist() + [accepted.next_token]
         self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
@@ -412,6 +456,8 @@ class Scheduler:
     def _leave(self, request: Request) -> None:
         """Take a generation out of the running batch and free its rows."""
         self.running.pop(request.handle, None)
+        if self.controller is not None:
+            self.controller.forget(request.handle)
         if request.row is not None:
             self.pool.release(request.row)
             request.row = None

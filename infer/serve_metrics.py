@@ -11,6 +11,7 @@ from specgraft.infer.stats import GenerationStats
 
 # Buckets for TTFT and inter-token latency: from a tiny model's sub-millisecond steps up to a queued request's seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SELECTED_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)  # draft tokens kept in a step: none (plain) up to a big batch
 
 
 class Metrics(EngineObserver):
@@ -53,6 +54,10 @@ class Metrics(EngineObserver):
             "specgraft_spec_decode_num_accepted_tokens_per_pos", "Drafts whose accepted path reached this depth",
             ["position"], registry=r,
         )
+        self.adaptive_selected = Histogram(
+            "specgraft_adaptive_selected_draft_tokens", "Draft tokens the goodput controller kept for verification "
+            "in a step, over every adaptive row", buckets=SELECTED_BUCKETS, registry=r,
+        )
         self.kv_pool_bytes = Gauge("specgraft_kv_pool_bytes", "Bytes of the target's KV pool, allocated at start",
                                    registry=r)
         self.draft_pool_bytes = Gauge("specgraft_draft_pool_bytes", "Bytes of the batch drafters' draft KV pools",
@@ -85,6 +90,8 @@ class Metrics(EngineObserver):
 
     def stepped(self, counters: EngineCounters) -> None:
         """Export what the engine's counters gained since the last step (only the engine thread calls this)."""
+        if counters.adaptive_selected is not None:
+            self.adaptive_selected.observe(counters.adaptive_selected)
         last = self._counted
         for metric, name in ((self.steps, "steps"), (self.verify_forwards, "verify_forwards"), (self.drafts, "drafts"),
                              (self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens")):

@@ -125,7 +125,8 @@ class ServerState:
 
 
 def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
-    """A tree from a request: ``chain:K``, ``dynamic:TOP_K,DEPTH,BUDGET``, static paths, or a spec object.
+    """A tree from a request: ``chain:K``, ``dynamic:TOP_K,DEPTH,BUDGET``, ``adaptive[:DEPTH,NODES]``, static paths,
+    or a spec object.
 
     Never a file: a request must not make the server read its disk.
     """
@@ -142,11 +143,11 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
             tree = tree_from_spec(spec, where="speculative.tree")
     except (ValueError, TypeError, KeyError) as err:
         raise HTTPError(400, str(err), param="speculative.tree") from None
+    depth = tree.max_depth
     if isinstance(tree, StaticTree):
-        depth, nodes = tree.max_depth, len(tree.choices)
-    else:  # a chain (depth nodes) or a dynamic tree (budget nodes)
-        depth = tree.depth
-        nodes = getattr(tree, "budget", depth)
+        nodes = len(tree.choices)
+    else:  # a chain (depth nodes), a dynamic tree (budget nodes) or an adaptive one (at most max_nodes)
+        nodes = getattr(tree, "budget", None) or getattr(tree, "max_nodes", None) or depth
     nodes = max(nodes, getattr(tree, "top_k", 0))  # a dynamic tree scores top_k children of every node it grows
     if depth > MAX_SPECULATIVE_TOKENS or nodes > MAX_TREE_NODES:
         raise HTTPError(400, f"tree {spec!r} is too large: depth {depth} (at most {MAX_SPECULATIVE_TOKENS}), "
@@ -207,6 +208,8 @@ def create_app(
     Args:
         drafters: name -> loaded drafter; ``none`` and ``prompt-lookup`` are added when absent.
         default_drafter: the drafter of requests without ``speculative`` (and of ``"auto"``).
+        default_tree: the tree of requests that name none (default ``Chain(5)``; ``Adaptive()`` sizes it each step by
+            expected goodput).
     """
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:

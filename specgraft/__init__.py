@@ -22,7 +22,7 @@ if TYPE_CHECKING:
         lossy_typical_accept, sample_accept,
     )
     from specgraft.model import KVCache, Target, load_target
-    from specgraft.tree import Chain, DynamicTree, Sampling, StaticTree, Tree, parse_tree_spec
+    from specgraft.tree import Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, parse_tree_spec
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ _EXPORTS = {
         "specgraft.infer",
     ),
     **dict.fromkeys(("KVCache", "Target", "load_target"), "specgraft.model"),
-    **dict.fromkeys(("Chain", "DynamicTree", "Sampling", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
+    **dict.fromkeys(("Adaptive", "Chain", "DynamicTree", "Sampling", "StaticTree", "Tree", "parse_tree_spec"), "specgraft.tree"),
 }
 
 __all__ = sorted(_EXPORTS)

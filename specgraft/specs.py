@@ -22,6 +22,7 @@ Trees::
     chain:DEPTH             one path
     static:FILE.json        Medusa-style paths of sibling ranks
     dynamic:TOP_K,DEPTH,BUDGET   EAGLE-2's tree, grown by cumulative draft log-prob
+    adaptive[:DEPTH,NODES]  the engine sizes each step's tree across the batch by expected goodput
     FILE.json               a tree file written by `specgraft tune-tree`
 
 This module imports nothing of specgraft's, so any room may import it.
@@ -46,7 +47,8 @@ DRAFTER_HELP = (
 )
 TREE_HELP = (
     "'chain:DEPTH', 'static:FILE.json' (Medusa-style paths of sibling ranks), 'dynamic:TOP_K,DEPTH,BUDGET' "
-    "(EAGLE-2), or a tree file written by `specgraft tune-tree`"
+    "(EAGLE-2), 'adaptive' or 'adaptive:MAX_DEPTH,MAX_NODES' (sized each step by expected goodput), or a tree file "
+    "written by `specgraft tune-tree`"
 )
 # What `specgraft bench --baselines` runs beside the drafters (hf-assisted:PATH: HF assisted generation with PATH).
 BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
@@ -243,6 +245,20 @@ class DynamicSpec:
 
 
 @dataclass(frozen=True)
+class AdaptiveSpec:
+    """``adaptive`` or ``adaptive:MAX_DEPTH,MAX_NODES``: the engine picks each step's nodes by expected goodput."""
+
+    max_depth: int = 6
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "max_depth", "max_nodes")
+
+    def __str__(self) -> str:
+        return "adaptive" if self == AdaptiveSpec() else f"adaptive:{self.max_depth},{self.max_nodes}"
+
+
+@dataclass(frozen=True)
 class StaticFileSpec:
     """``static:FILE.json``: Medusa-style paths of sibling ranks, read when the policy is built."""
 
@@ -262,7 +278,7 @@ class TreeFileSpec:
         return self.path
 
 
-TreeSpec = Union[ChainSpec, DynamicSpec, StaticFileSpec, TreeFileSpec]
+TreeSpec = Union[ChainSpec, DynamicSpec, AdaptiveSpec, StaticFileSpec, TreeFileSpec]
 
 
 def parse_tree(text: str | TreeSpec) -> TreeSpec:
@@ -282,7 +298,13 @@ def parse_tree(text: str | TreeSpec) -> TreeSpec:
         parts = arg.split(",")
         if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
             return DynamicSpec(*(int(p) for p in parts))
-    if kind not in ("chain", "static", "dynamic") and text.endswith(".json"):
+    if kind == "adaptive":
+        parts = arg.split(",")
+        if not arg:
+            return AdaptiveSpec()
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            return AdaptiveSpec(*(int(p) for p in parts))
+    if kind not in ("chain", "static", "dynamic", "adaptive") and text.endswith(".json"):
         return TreeFileSpec(text)
     raise ValueError(f"unknown tree spec {text!r}: expected {TREE_HELP}")
 

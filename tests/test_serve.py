@@ -512,3 +512,17 @@ def test_the_kv_pool_bytes_are_the_same_with_one_drafter_and_with_four(eagle_dir
             running.stop()
         pool[name] = metric(text, "specgraft_kv_pool_bytes")
     assert pool["one"] == pool["four"] > 0
+
+
+def test_an_adaptive_tree_request_equals_offline_greedy_and_reports_the_controllers_choices(server, client, plain, dev_prompts):
+    prompt = dev_prompts[6]
+    offline = plain.generate(prompt, max_new_tokens=TOKENS)
+    for tree in ("adaptive", "adaptive:3,6"):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                        extra_body={"speculative": {"drafter": "eagle", "tree": tree}})
+        assert out.choices[0].text == offline.text
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert metric(text, "specgraft_adaptive_selected_draft_tokens_count") >= TOKENS  # one observation a step
+    too_big = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "speculative": {"drafter": "eagle", "tree": "adaptive:99,8"}})
+    assert too_big.status_code == 400 and "too large" in too_big.json()["error"]["message"]

@@ -1,6 +1,7 @@
 """Pure tree logic (torch only, never transformers): trees, masks, positions, policies."""
 
-from specgraft.tree.dynamic import DynamicTree
+from specgraft.tree.adaptive import Adaptive
+from specgraft.tree.dynamic import DynamicTree, subtree
 from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
 from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
 from specgraft.tree.policies import (
@@ -11,6 +12,7 @@ from specgraft.tree.tree import ROOT_PARENT, Tree
 
 __all__ = [
     "ROOT_PARENT",
+    "Adaptive",
     "Chain",
     "DynamicTree",
     "Growth",
@@ -26,6 +28,7 @@ __all__ = [
     "parse_tree_spec",
     "policy_from_spec",
     "size_tree",
+    "subtree",
     "tree_attention_mask",
     "tree_from_spec",
     "tree_position_ids",

@@ -22,7 +22,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 
 import torch
 
-from specgraft.specs import ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree
+from specgraft.specs import AdaptiveSpec, ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree
 from specgraft.tree.draw import Picked, check_draw, pick_children
 from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import ROOT_PARENT, Tree
@@ -321,12 +321,15 @@ def parse_tree_spec(spec: str | TreeSpec) -> TreePolicy:
 
 def policy_from_spec(spec: TreeSpec) -> TreePolicy:
     """The policy a parsed tree spec describes; the spec's file, if it names one, is read here."""
+    from specgraft.tree.adaptive import Adaptive
     from specgraft.tree.dynamic import DynamicTree
 
     if isinstance(spec, ChainSpec):
         return Chain(depth=spec.depth)
     if isinstance(spec, DynamicSpec):
         return DynamicTree(top_k=spec.top_k, depth=spec.depth, budget=spec.budget)
+    if isinstance(spec, AdaptiveSpec):
+        return Adaptive(max_depth=spec.max_depth, max_nodes=spec.max_nodes)
     if isinstance(spec, StaticFileSpec):
         return StaticTree.from_file(spec.path)
     return tree_from_file(spec.path)
@@ -334,12 +337,13 @@ def policy_from_spec(spec: TreeSpec) -> TreePolicy:
 
 def tree_from_file(path: str | Path) -> TreePolicy:
     """A tree spec file: ``{"kind": "dynamic", "top_k", "depth", "budget"}``, ``{"kind": "chain", "depth"}``,
-    or static paths (a list, or ``{"kind": "static", "choices"}``)."""
+    ``{"kind": "adaptive", "max_depth", "max_nodes"}``, or static paths (a list, or ``{"kind": "static", "choices"}``)."""
     return tree_from_spec(_read_json(path), where=f"tree file {path}")
 
 
 def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
     """A tree spec's parsed JSON (see `tree_from_file`) as a policy."""
+    from specgraft.tree.adaptive import Adaptive
     from specgraft.tree.dynamic import DynamicTree
 
     kind = data.get("kind") if isinstance(data, dict) else None
@@ -357,6 +361,8 @@ def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
             return DynamicTree(top_k=count("top_k"), depth=count("depth"), budget=count("budget"))
         if kind == "chain":
             return Chain(depth=count("depth"))
+        if kind == "adaptive":
+            return Adaptive(max_depth=count("max_depth"), max_nodes=count("max_nodes"))
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     return StaticTree.from_spec(data, where)

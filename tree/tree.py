@@ -9,6 +9,7 @@ Shape legend: N nodes, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -63,13 +64,10 @@ class Tree:
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> Tree:
-        """The tree of plain decoding: the root and nothing to verify."""
-        return cls(
-            tokens=torch.tensor([token], device=device),
-            parents=torch.tensor([ROOT_PARENT], device=device),
-            depth=torch.zeros(1, dtype=torch.long, device=device),
-            scores=torch.zeros(1, device=device),
-        )
+        """The tree of plain decoding: the root and nothing to verify (every plain row, every step: the
+        structure's tensors are made once per device and shared, read-only)."""
+        parents, depth, scores, ancestors = _root_structure(torch.device(device))
+        return cls(torch.tensor([token], device=device), parents, depth, scores, ancestors=ancestors)
 
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
@@ -133,3 +131,15 @@ class Tree:
 
     def children(self, node: int) -> torch.Tensor:
         return (self.parents == node).nonzero().flatten()
+
+
+@functools.cache
+def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parents, depth, scores, ancestors) of a one-node tree on ``device``."""
+    return (
+        torch.tensor([ROOT_PARENT], device=device),
+        torch.zeros(1, dtype=torch.long, device=device),
+        torch.zeros(1, device=device),
+        torch.ones(1, 1, dtype=torch.bool, device=device),
+    )
+

@@ -1,0 +1,361 @@
+"""Trees sized by expected goodput: how much each row speculates is the engine's decision, per step, across the batch.
+
+Speculation spends compute on guesses; under load there is none to spare. For
+the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
+
+1. plans how deep each row drafts, before drafting: a level pays when the
+   tokens it is expected to add (the chance the row's accepted path reaches
+   it) per second it adds (its share of the drafter's level, one more token
+   in the forward) beat the step's goodput without speculation (one token per
+   row per forward at this batch);
+2. selects, after drafting and across every row at once, the candidate nodes
+   to verify: the set maximising expected committed tokens per second,
+   sum over rows of (1 + the estimates of its selected nodes) / T(N), N the
+   tokens verified and T the target's forward time at N packed tokens. Nodes
+   enter by decreasing estimate and an estimate never exceeds its parent's,
+   so a selected node's parent is always selected;
+3. learns, after verifying: a node's estimate is its drafter's path
+   probability (``exp`` of its cumulative draft log-prob, what EAGLE-2 ranks
+   by) calibrated per drafter and depth against what was accepted; a tree
+   without probabilities (prompt lookup) uses its row's running acceptance by
+   depth. T is measured once with a few timed forwards and rescaled by the
+   forward times steps observe; a drafter's cost per row, a fixed part plus
+   a part per level (prompt lookup pays once for any depth, a head once per
+   level), is fitted to the times its rounds take.
+
+Everything a choice reads was settled before the step's verification:
+committed history (what was accepted before) and this step's draft scores.
+Like any dynamic tree, the choice is then lossless.
+
+Shape legend: N verified tokens, D depth.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from specgraft.model import Target
+from specgraft.tree import Tree, subtree
+
+# Step costs are learned as exponential moving averages with this weight on the newest observation.
+EMA = 0.2
+# Pseudo-counts of the priors: a calibration starts at factor 1 (trust the drafter's probabilities) and a row's
+# reach at its drafter's, each worth this many observations.
+PRIOR_WEIGHT = 4.0
+REACH_PRIOR = 0.5  # P(the accepted path reaches depth 1) before anything was observed; depth d: this ** d
+CALIBRATION_MEMORY = 200.0  # predicted acceptances a depth's calibration sums before both halve
+# Token counts at which T(N) is timed at start-up; larger N are extrapolated along the last segment.
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+COST_PREFIX = 64  # cached tokens before the timed forwards
+COST_REPEATS = 4  # timed forwards per size; the fastest counts
+MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
+# drafter -> what it taught any controller (calibration, reach, cost): learned once per process, not per scheduler.
+_DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class StepCost:
+    """T(N): seconds of a target forward over N packed tokens, measured once and rescaled by what steps observe."""
+
+    points: dict[int, float]
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._xs = sorted(self.points)
+        self._ys = [self.points[x] for x in self._xs]
+
+    @classmethod
+    def measure(cls, target: Target) -> StepCost:
+        """A few timed forwards: N tokens after `COST_PREFIX` cached ones, for every size of `COST_SIZES` the
+        context holds (once per target: a batch size met later needs no new measurement)."""
+        room = target.max_context - COST_PREFIX
+        sizes = [n for n in COST_SIZES if n <= room] or [1]
+        device = target.device
+        prefix = (torch.arange(COST_PREFIX, device=device) * 31 + 5) % target.vocab_size
+        cache = target.new_cache()
+        target.forward(prefix[None], cache, torch.arange(COST_PREFIX, device=device)[None])
+        points, floor = {}, 0.0
+        for n in sizes:
+            ids = (torch.arange(n, device=device) * 7919 + 11) % target.vocab_size
+            positions = torch.arange(COST_PREFIX, COST_PREFIX + n, device=device)[None]
+            best = math.inf
+            for attempt in range((COST_REPEATS if n <= 16 else 1) + 1):  # the first warms up; large N vary little
+                start = time.perf_counter()
+                target.forward(ids[None], cache, positions)
+                elapsed = time.perf_counter() - start
+                cache.crop(COST_PREFIX)
+                best = min(best, elapsed) if attempt else best
+            floor = points[n] = max(best, floor)  # more tokens never cost less: what looks so is timing noise
+        return cls(points)
+
+    def __call__(self, n: int) -> float:
+        xs, ys = self._xs, self._ys
+        if n <= xs[0]:
+            base = ys[0]
+        elif n >= xs[-1]:  # beyond the last measured size: along the last segment (linear layers grow with N)
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
+            base = ys[-1] + slope * (n - xs[-1])
+        else:
+            i = bisect.bisect_left(xs, n)  # xs[i - 1] < n <= xs[i]
+            base = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return base * self.scale
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A step's forward over ``n`` tokens took ``seconds``: rescale the curve toward it (the machine's load moves)."""
+        predicted = self(n) / self.scale
+        if predicted > 0:
+            self.scale = (1 - EMA) * self.scale + EMA * (seconds / predicted)
+
+
+@dataclass
+class DrafterStats:
+    """What one drafter taught the controller: calibration of its probabilities and its cost, by depth."""
+
+    predicted: list[float] = field(default_factory=list)  # [d - 1]: sum of raw path probabilities verified at depth d
+    accepted: list[float] = field(default_factory=list)  # [d - 1]: how many of them were accepted
+    reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
+    # Moving moments of (levels drafted, seconds per row) over its rounds, for `cost_of`'s straight line.
+    moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
+
+    @property
+    def measured(self) -> bool:
+        return self.moments[0] > 0
+
+    def observe_cost(self, levels: int, seconds_per_row: float) -> None:
+        w, mx, my, mxx, mxy = self.moments
+        a = EMA if w else 1.0
+        self.moments = [min(1.0, w + a), (1 - a) * mx + a * levels, (1 - a) * my + a * seconds_per_row,
+                        (1 - a) * mxx + a * levels * levels, (1 - a) * mxy + a * levels * seconds_per_row]
+
+    def cost_of(self, levels: int) -> float:
+        """Seconds of drafting one row ``levels`` deep: a fixed part plus a part per level, fitted to its rounds.
+
+        Rounds all of one depth cannot tell the parts apart: the cost is then put on the levels.
+        """
+        if levels <= 0:
+            return 0.0
+        _, mx, my, mxx, mxy = self.moments
+        var = mxx - mx * mx
+        if var < 0.05 or mx <= 0:
+            return my * levels / max(mx, 1.0)
+        slope = max((mxy - mx * my) / var, 0.0)
+        fixed = max(my - slope * mx, 0.0)
+        return fixed + slope * levels
+
+    def factor(self, depth: int) -> float:
+        """Calibration at ``depth``: accepted / predicted, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
+        i = depth - 1
+        if i >= len(self.predicted):
+            return 1.0
+        return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
+
+    def reach_at(self, depth: int) -> float:
+        return self.reach[depth - 1] if depth <= len(self.reach) else REACH_PRIOR**depth
+
+    def observe(self, depth: int, raw: float, accepted: bool) -> None:
+        while len(self.predicted) < depth:
+            self.predicted.append(0.0)
+            self.accepted.append(0.0)
+        i = depth - 1
+        self.predicted[i] += raw
+        self.accepted[i] += accepted
+        if self.predicted[i] > CALIBRATION_MEMORY:  # halve both: recent steps weigh more as the text moves on
+            self.predicted[i] /= 2
+            self.accepted[i] /= 2
+
+
+@dataclass
+class RowState:
+    """One generation's running acceptance by depth, seeded from its drafter's."""
+
+    reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
+
+    def reach_at(self, depth: int, drafter: DrafterStats) -> float:
+        return self.reach[depth - 1] if depth <= len(self.reach) else drafter.reach_at(depth)
+
+
+def update_reach(reach: list[float], accepted: int, verified_depth: int, prior: DrafterStats | None = None) -> None:
+    """EMA of 1{the accepted path reached d} for every depth d the step verified."""
+    for depth in range(1, verified_depth + 1):
+        hit = float(accepted >= depth)
+        if depth > len(reach):
+            reach.append(prior.reach_at(depth) if prior is not None else REACH_PRIOR**depth)
+        reach[depth - 1] = (1 - EMA) * reach[depth - 1] + EMA * hit
+
+
+@dataclass
+class Candidate:
+    """One row's drafted tree as selection sees it."""
+
+    key: int  # the row's handle
+    drafter: Any  # the row's loaded drafter (its statistics are keyed by it)
+    tree: Tree
+    adaptive: bool  # False: verified whole (its nodes are fixed costs and gains)
+
+
+class GoodputController:
+    """Plans draft depths, selects the nodes to verify, and learns acceptance and costs (see the module doc).
+
+    Args:
+        target: the target whose forward the cost curve times (measured on first use).
+    """
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.cost: StepCost | None = None
+        self.rows: dict[int, RowState] = {}
+        self.selected_last: int = 0  # draft nodes the last selection kept, over every row
+
+    def step_cost(self) -> StepCost:
+        """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
+        if self.cost is None:
+            if self.target not in _COSTS:
+                _COSTS[self.target] = StepCost.measure(self.target)
+            self.cost = _COSTS[self.target]
+        return self.cost
+
+    @staticmethod
+    def stats(drafter: Any) -> DrafterStats:
+        """What ``drafter`` taught so far (shared by every controller in the process)."""
+        stats = _DRAFTERS.get(drafter)
+        if stats is None:
+            stats = _DRAFTERS[drafter] = DrafterStats()
+        return stats
+
+    def row(self, key: int) -> RowState:
+        return self.rows.setdefault(key, RowState())
+
+    def forget(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    # ------------------------------------------------------------------ 1. plan
+
+    def plan(self, rows: Sequence[tuple[int, Any, int]], batch: int) -> dict[int, int]:
+        """How deep each adaptive row drafts: key -> depth (0: not at all).
+
+        A row drafts the depth that maximises its expected tokens less what the drafting and the extra forward
+        tokens cost at the step's goodput without speculation. A drafter whose cost was never measured drafts one
+        level: enough to measure it.
+
+        Args:
+            rows: (key, drafter, the deepest it may draft) of each adaptive row.
+            batch: rows in the step (every one verifies at least its root).
+        """
+        cost = self.step_cost()
+        base = cost(batch)
+        goodput = batch / base  # committed tokens per second of plain decoding at this batch
+        marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
+        depths = {}
+        for key, drafter, max_depth in rows:
+            stats, row = self.stats(drafter), self.row(key)
+            if not stats.measured:
+                depths[key] = min(1, max_depth)
+                continue
+            best, best_net, gain = 0, 0.0, 0.0
+            for depth in range(1, max_depth + 1):
+                gain += row.reach_at(depth, stats)  # expected tokens of a chain of this depth
+                net = gain - goodput * (stats.cost_of(depth) + depth * marginal)
+                if net > best_net:
+                    best, best_net = depth, net
+            depths[key] = best
+        return depths
+
+    def observe_draft(self, drafter: Any, rows: int, levels: int, seconds: float) -> None:
+        """A drafter's proposals for ``rows`` rows, ``levels`` deep (at least 1: a lookup that found nothing worked
+        all the same), took ``seconds``."""
+        if rows and levels:
+            self.stats(drafter).observe_cost(levels, seconds / rows)
+
+    # ------------------------------------------------------------------ 2. select
+
+    def estimates(self, candidate: Candidate) -> list[float]:
+        """Each node's chance to be on the accepted path (index 0, the root: 1), never above its parent's."""
+        tree = candidate.tree
+        if tree.num_nodes == 1:
+            return [1.0]
+        stats = self.stats(candidate.drafter)
+        depth, parents = tree.depth.tolist(), tree.parents.tolist()
+        scores = tree.scores.tolist()
+        out = [1.0] * tree.num_nodes
+        if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
+            for i in range(1, tree.num_nodes):
+                out[i] = min(out[parents[i]], 1.0, math.exp(scores[i]) * stats.factor(depth[i]))
+        else:  # no probabilities (prompt lookup): the row's running acceptance by depth, shared among siblings
+            row = self.row(candidate.key)
+            at_depth: dict[int, int] = {}
+            for d in depth[1:]:
+                at_depth[d] = at_depth.get(d, 0) + 1
+            for i in range(1, tree.num_nodes):
+                out[i] = min(out[parents[i]], row.reach_at(depth[i], stats) / at_depth[depth[i]])
+        return out
+
+    def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
+        """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
+
+        Fixed rows' trees are verified whole: their nodes count as given costs and gains.
+        """
+        cost = self.step_cost()
+        tokens, expected = 0, 0.0
+        pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
+        for r, c in enumerate(candidates):
+            tokens += 1
+            expected += 1.0
+            if c.tree.num_nodes == 1:
+                continue
+            est = self.estimates(c)
+            if not c.adaptive:
+                tokens += c.tree.num_draft_tokens
+                expected += sum(est[1:])
+                continue
+            depth = c.tree.depth.tolist()
+            pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
+        pool.sort()  # by estimate, parents before children on ties
+        best_k, best = 0, expected / cost(tokens)
+        gained = expected
+        for k, (neg, _, _, _) in enumerate(pool, start=1):
+            gained -= neg
+            rate = gained / cost(tokens + k)
+            if rate > best:
+                best_k, best = k, rate
+        keep: dict[int, list[int]] = {r: [0] for r, c in enumerate(candidates) if c.adaptive}
+        for _, _, r, node in pool[:best_k]:
+            keep[r].append(node)
+        self.selected_last = best_k
+        trees = {}
+        for r, c in enumerate(candidates):
+            if not c.adaptive:
+                trees[c.key] = c.tree
+            elif len(keep[r]) == c.tree.num_nodes:
+                trees[c.key] = c.tree
+            else:
+                nodes = torch.tensor(sorted(keep[r]), device=c.tree.tokens.device)
+                trees[c.key] = subtree(c.tree, nodes)
+        return trees
+
+    # ------------------------------------------------------------------ 3. learn
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.observe(tokens, seconds)
+
+    def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
+        """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""
+        if tree.num_nodes == 1:
+            return
+        stats, row = self.stats(drafter), self.row(key)
+        on_path = set(accepted_path.tolist())
+        scores, depth = tree.scores.tolist(), tree.depth.tolist()
+        if any(scores[1:]):
+            for i in range(1, tree.num_nodes):
+                stats.observe(depth[i], math.exp(scores[i]), i in on_path)
+        accepted, verified = len(on_path) - 1, tree.max_depth
+        update_reach(stats.reach, accepted, verified)
+        update_reach(row.reach, accepted, verified, prior=stats)

@@ -1,0 +1,213 @@
+"""Trees sized by expected goodput: the controller's arithmetic against hand-worked cases, and `Adaptive` trees
+exact end to end (greedy identity and enumerated distributions), alone and beside fixed trees."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import specgraft as sg
+from specgraft.infer.goodput import Candidate, DrafterStats, GoodputController, StepCost, update_reach
+from specgraft.tree import ROOT_PARENT, Tree
+
+from test_engine_api import hf_generate
+from test_scheduler import SAMPLING_LENGTH, Driver, enumerated, small_vocab_pair  # noqa: F401 (fixture)
+
+
+def tree_of(parents: list[int], logp: list[float] | None = None, tokens: list[int] | None = None) -> Tree:
+    depth = []
+    for p in parents:
+        depth.append(0 if p == ROOT_PARENT else depth[p] + 1)
+    scores = [0.0] * len(parents) if logp is None else logp
+    return Tree(
+        tokens=torch.tensor(tokens or list(range(len(parents)))), parents=torch.tensor(parents),
+        depth=torch.tensor(depth), scores=torch.tensor(scores),
+    )
+
+
+class Drafter:  # a stand-in drafter: statistics are keyed by the drafter object
+    hidden_layers = ()
+
+
+def controller(cost: dict[int, float]) -> GoodputController:
+    ctl = GoodputController(target=None)
+    ctl.cost = StepCost(cost)
+    return ctl
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
+    cost = StepCost({1: 1.0, 4: 2.5, 8: 4.5})
+    assert cost(1) == 1.0 and cost(2) == pytest.approx(1.5) and cost(6) == pytest.approx(3.5)
+    assert cost(12) == pytest.approx(6.5)  # beyond 8: the last segment's slope (0.5 a token)
+    cost.observe(4, 5.0)  # a step twice as slow as predicted: the curve moves a fifth of the way
+    assert cost.scale == pytest.approx(1.2) and cost(4) == pytest.approx(3.0)
+
+
+def test_selection_keeps_every_node_when_verifying_is_free_and_none_when_each_token_costs_a_forward():
+    chain = tree_of([-1, 0, 1], logp=[0.0, -0.1, -0.3])
+    d = Drafter()
+    flat = controller({1: 1.0, 64: 1.0}).select([Candidate(0, d, chain, True)])
+    assert flat[0].num_nodes == 3
+    linear = controller({1: 1.0, 64: 64.0}).select([Candidate(0, d, chain, True)])
+    assert linear[0].num_nodes == 1  # a node accepted with p < 1 adds less than the forward it costs
+
+
+def test_selection_takes_the_best_nodes_across_rows_and_keeps_parents_before_children():
+    # Row 0: a confident chain; row 1: a doubtful one. T: 1 for 2 tokens, then 1 + 0.25 per token: worth a node
+    # only if it is accepted with p > 0.25 x (tokens so far) / T, roughly.
+    d = Drafter()
+    sure = tree_of([-1, 0, 1], logp=[0.0, -0.05, -0.1])
+    doubt = tree_of([-1, 0, 1], logp=[0.0, -2.0, -4.0])
+    ctl = controller({1: 1.0, 2: 1.0, 6: 2.0, 64: 17.5})
+    trees = ctl.select([Candidate(0, d, sure, True), Candidate(1, d, doubt, True)])
+    assert trees[0].num_nodes == 3 and trees[1].num_nodes == 1
+    assert ctl.selected_last == 2
+    # A child can never be kept without its parent, even when calibration would rank it above it.
+    stats = ctl.stats(d)
+    for _ in range(50):
+        stats.observe(2, 0.05, True)  # depth-2 nodes were always accepted: calibrated up to 1
+    est = ctl.estimates(Candidate(0, d, sure, True))
+    assert est[2] <= est[1] <= 1.0
+
+
+def test_fixed_rows_are_verified_whole_and_their_tokens_count_in_the_cost():
+    d = Drafter()
+    fixed = tree_of([-1, 0, 1, 2])
+    adaptive = tree_of([-1, 0], logp=[0.0, -0.5])
+    ctl = controller({1: 1.0, 5: 1.0, 6: 1.6, 64: 60.0})
+    trees = ctl.select([Candidate(0, d, fixed, False), Candidate(1, d, adaptive, True)])
+    assert trees[0] is fixed and trees[1].num_nodes == 1  # the 6th token would cost 0.6 of a forward for p = 0.61
+
+
+def test_trees_without_probabilities_use_the_rows_running_acceptance_shared_among_siblings():
+    d = Drafter()
+    lookup = tree_of([-1, 0, 0, 1], tokens=[5, 6, 7, 8])  # two branches at depth 1, scores all zero
+    ctl = controller({1: 1.0})
+    row = ctl.row(0)
+    update_reach(row.reach, accepted=2, verified_depth=2)
+    est = ctl.estimates(Candidate(0, d, lookup, True))
+    depth1 = row.reach_at(1, ctl.stats(d))
+    assert est[1] == est[2] == pytest.approx(depth1 / 2) and est[3] <= est[1]
+
+
+def test_plan_drafts_the_depth_whose_expected_tokens_best_repay_its_cost_at_plain_goodput():
+    d = Drafter()
+    ctl = controller({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 64: 8.0})
+    stats = ctl.stats(d)
+    assert ctl.plan([(0, d, 6)], batch=1) == {0: 1}  # never measured: one level, to measure it
+    stats.observe_cost(1, 0.01)
+    stats.observe_cost(2, 0.02)  # two depths fit the cost's parts: nothing fixed, 0.01 s a level
+    assert stats.cost_of(3) == pytest.approx(0.03)
+    stats.reach = [0.9, 0.8, 0.6, 0.3, 0.1]
+    # goodput 1 token a second; a level costs 0.01 + 0.024 (one more forward token, read over 4): the net gain
+    # sum(reach[:d]) - 0.034 d peaks at depth 5 (depth 6 adds 0.5 ** 6 < 0.034).
+    assert ctl.plan([(0, d, 6)], batch=1) == {0: 5}
+    d2 = Drafter()
+    slow = ctl.stats(d2)
+    slow.observe_cost(1, 0.5)
+    slow.observe_cost(2, 1.0)  # half a forward a level: 0.9, 0.8, 0.6 minus 0.524 a level peaks at depth 3
+    slow.reach = stats.reach
+    assert ctl.plan([(1, d2, 6)], batch=1) == {1: 3}
+    assert ctl.plan([(1, d2, 6)], batch=8) == {1: 0}  # 8 rows: goodput 6.7 tokens a second; no depth pays
+
+
+def test_calibration_learns_accepted_over_predicted_by_depth_from_a_prior_of_one():
+    stats = DrafterStats()
+    assert stats.factor(1) == 1.0
+    for _ in range(40):
+        stats.observe(1, 0.8, accepted=False)
+        stats.observe(1, 0.8, accepted=True)
+    assert stats.factor(1) == pytest.approx((40 + 4) / (64 + 4))
+
+
+# --------------------------------------------------------------------------- exact end to end
+
+
+@pytest.fixture
+def pruning_cost(monkeypatch):
+    """A cost curve that keeps some candidates and drops others, so verification sees cut trees."""
+    # Seconds in a forward: cheap up to 4 tokens, then 0.06-0.09 a token; drafting costs a few ms a level (measured).
+    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0, 4: 1.05, 8: 1.3, 16: 2.0, 1024: 130.0}))
+
+
+@pytest.mark.parametrize("tree", [sg.Adaptive(top_k=1, max_depth=5, max_nodes=5), sg.Adaptive(max_depth=5, max_nodes=12)],
+                         ids=["chain-shaped", "branching"])
+def test_adaptive_trees_alone_and_beside_fixed_ones_equal_hf_greedy(stories, dev_prompts, trained_eagle, pruning_cost, tree):
+    eagle = sg.load_drafter(trained_eagle, stories)
+    drafters = {"eagle": eagle, "lookup": sg.PromptLookup(), "both": sg.Composite(sg.PromptLookup(max_matches=1), eagle)}
+    rows = [("eagle", tree), ("lookup", tree), ("both", tree), ("eagle", sg.Chain(4)), ("none", None), ("eagle", tree)]
+    prompts = [stories.encode(p) for p in dev_prompts[30 : 30 + len(rows)]]
+    sched = sg.Scheduler(stories, drafters, max_batch_size=4)  # six rows through four: rows join as others leave
+    driver = Driver(sched)
+    handles = [sched.submit(p, 40, drafter=name, tree=t, eos_token_id=()) for p, (name, t) in zip(prompts, rows)]
+    drafted, verified = [], []  # draft nodes of the adaptive rows' trees before and after each selection
+    select = sched.controller.select
+
+    def recording(candidates):
+        trees = select(candidates)
+        drafted.append(sum(c.tree.num_draft_tokens for c in candidates if c.adaptive))
+        verified.append(sum(trees[c.key].num_draft_tokens for c in candidates if c.adaptive))
+        return trees
+
+    sched.controller.select = recording
+    driver.run(*handles)
+    assert sched.counters.verify_forwards == sched.counters.steps
+    for handle, prompt, (name, t) in zip(handles, prompts, rows):
+        assert driver.result(handle).token_ids == hf_generate(stories, prompt, 40, eos_token_id=None), name
+    assert sum(verified) > 0 and any(v < d for v, d in zip(verified, drafted))  # cut trees were verified
+    alone = sg.SpeculativeGenerator(stories, eagle, tree=tree).generate(prompts[0], 40, eos_token_id=())
+    assert alone.token_ids == driver.result(handles[0]).token_ids
+    assert alone.stats.mean_accepted_length > 1.5  # alone, the head's nodes were really verified
+
+
+def test_adaptive_rows_sampled_beside_fixed_ones_follow_their_own_distributions(small_vocab_pair, monkeypatch):  # noqa: F811
+    """Adaptive trees (point masses, cut by the controller) among sampled chains, each row its own temperature."""
+    from specgraft.tools.exactness import fit
+
+    # 0.02 s a token: with 24 rows a node is worth verifying above a chance of about a third, so some are cut.
+    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0, 1024: 21.46}))
+    target, draft = small_vocab_pair
+    drafters = {"draft": draft, "lookup": sg.PromptLookup(max_ngram=2, num_tokens=3)}
+    settings = [
+        ("draft", sg.Adaptive(max_depth=3, max_nodes=6), 1.0, {}),
+        ("draft", sg.Adaptive(top_k=1, max_depth=3, max_nodes=3), 0.7, {"top_k": 3}),
+        ("lookup", sg.Adaptive(max_depth=3, max_nodes=4), 1.3, {}),
+        ("draft", sg.Chain(3, draw="sample"), 1.0, {"top_p": 0.8}),
+    ]
+    prompts = ([0, 1, 2, 0, 1], [3, 4, 5], [2, 4, 2, 4, 2], [5, 0, 3, 2, 0, 3])
+    sched = sg.Scheduler(target, drafters, max_batch_size=24, max_len=16)
+    driver = Driver(sched)
+    verified, cut = [0], [0]  # draft nodes of adaptive rows the controller kept, and those it dropped
+    torch.manual_seed(13)
+    counts = [Counter() for _ in settings]
+    for _ in range(2400 // 6):
+        handles = []
+        for i in range(24):
+            name, tree, temperature, filters = settings[i % 4]
+            handles.append((i % 4, sched.submit(prompts[i % 4], max_new_tokens=SAMPLING_LENGTH, drafter=name, tree=tree,
+                                                eos_token_id=(), temperature=temperature, **filters)))
+        if not hasattr(sched.controller, "recording"):
+            chosen = sched.controller.select
+
+            def recording(candidates, chosen=chosen):
+                trees = chosen(candidates)
+                kept = sum(trees[c.key].num_draft_tokens for c in candidates if c.adaptive)
+                verified[0] += kept
+                cut[0] += sum(c.tree.num_draft_tokens for c in candidates if c.adaptive) - kept
+                return trees
+
+            sched.controller.select, sched.controller.recording = recording, True
+        while not sched.idle:
+            driver.step()
+        for i, handle in handles:
+            counts[i][tuple(driver.result(handle).token_ids)] += 1
+    assert verified[0] > 1000  # adaptive rows really verified drafts (cut to what the controller kept)
+    assert cut[0] > 100  # and the controller cut candidates
+    for counter, prompt, (name, tree, temperature, filters) in zip(counts, prompts, settings):
+        result = fit(counter, enumerated(target, prompt, temperature, filters))
+        assert result.passed, f"{name} {tree} T={temperature} {filters}: {result}"
