@@ -108,23 +108,20 @@ class FeatureDraftState:
 
     @property
     def features(self) -> torch.Tensor:
+        """(pending, H) f_j of the committed positions j the cache has not consumed."""
         self._flush()
         return self._features
 
-    @features.setter
-    def features(self, value: torch.Tensor) -> None:
-        self._flush()
-        self._features = value
-
     @property
     def next_tokens(self) -> torch.Tensor:
+        """t_j of the committed positions the cache has not consumed (one fewer than ``features``)."""
         self._flush()
         return self._next_tokens
 
-    @next_tokens.setter
-    def next_tokens(self, value: torch.Tensor) -> None:
+    def consume(self, count: int) -> None:
+        """The first ``count`` pending pairs are in the cache now: drop them."""
         self._flush()
-        self._next_tokens = value
+        self._features, self._next_tokens = self._features[count:], self._next_tokens[count:]
 
     @torch.inference_mode()
     def _flush(self) -> None:
@@ -203,8 +200,7 @@ class FeatureRound:
             state.peak = state.length - 1 + len(self.slots[i])
             if 0 in self.slots[i]:  # the root's forward ran: the pairs before the root's are now cached
                 consumed = state.length - 1 - self.lengths[request.row]
-                state.features = state.features[consumed:]
-                state.next_tokens = state.next_tokens[consumed:]
+                state.consume(consumed)
                 kept[request.row] = state.length - 1
         views = self.rows.views[: self.batch] if self.rows is not None else [self.cache]
         for row, view in enumerate(views):

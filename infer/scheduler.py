@@ -317,7 +317,9 @@ class Scheduler:
                         for r in live if r.draft is not None and isinstance(r.tree, Adaptive)]
             planned = self.controller.plan(adaptive, batch=len(live)) if adaptive else {}
         for request in live:
-            max_depth = min(request.rule.remaining() - 1, planned.get(request.handle, request.rule.remaining()))
+            max_depth = request.rule.remaining() - 1
+            if request.handle in planned:
+                max_depth = min(max_depth, planned[request.handle])
             request.drafted = request.draft is not None and max_depth >= 1
             if not request.drafted:
                 trees[request.handle] = Tree.root_only(request.root, self.target.device)

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from specgraft.tree.dynamic import DynamicTree
-from specgraft.tree.policies import Growth, StepFn, drive
+from specgraft.tree.policies import Growth, Levelled
 from specgraft.tree.sampling import Sampling
-from specgraft.tree.tree import Tree
 
 
 @dataclass(frozen=True)
-class Adaptive:
+class Adaptive(Levelled):
     """Candidates of at most ``max_depth`` levels and ``max_nodes`` draft nodes, ``top_k`` children per expansion
     (``top_k=1``: a chain)."""
 
@@ -41,16 +40,6 @@ class Adaptive:
     @property
     def candidates(self) -> DynamicTree:
         return DynamicTree(top_k=self.top_k, depth=self.max_depth, budget=self.max_nodes)
-
-    def grow(
-        self,
-        step: StepFn,
-        root_token: int,
-        max_depth: int | None = None,
-        device: torch.device | str = "cpu",
-        sampling: Sampling | None = None,
-    ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specgraft.tree.policies import Growth, StepFn, TreeBuilder, drive
+from specgraft.tree.policies import Growth, Levelled, TreeBuilder
 from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import Tree
 
 
 @dataclass(frozen=True)
-class DynamicTree:
+class DynamicTree(Levelled):
     """EAGLE-2's tree: ``top_k`` children per expanded node, ``depth`` rounds, ``budget`` draft nodes kept."""
 
     top_k: int = 8
@@ -36,16 +36,6 @@ class DynamicTree:
     @property
     def max_depth(self) -> int:
         return self.depth
-
-    def grow(
-        self,
-        step: StepFn,
-        root_token: int,
-        max_depth: int | None = None,
-        device: torch.device | str = "cpu",
-        sampling: Sampling | None = None,
-    ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",

@@ -64,6 +64,24 @@ def drive(growth: Growth, step: StepFn) -> Tree:
         return done.value
 
 
+class Levelled:
+    """A policy whose growth is a `Growth` (``levels``): ``grow`` drives it with one step function.
+
+    Chain, StaticTree, DynamicTree and Adaptive share this ``grow``; `grow_together` drives their ``levels``.
+    """
+
+    def grow(
+        self,
+        step: StepFn,
+        root_token: int,
+        max_depth: int | None = None,
+        device: torch.device | str = "cpu",
+        sampling: Sampling | None = None,
+    ) -> Tree:
+        """Grow a tree; ``sampling`` None or greedy draws every child top-k."""
+        return drive(self.levels(root_token, max_depth, device, sampling), step)
+
+
 def grow_together(growths: Sequence[Growth], step_all: StepAllFn) -> list[Tree]:
     """Run several growths level by level: one ``step_all`` call per level answers every growth still growing.
 
@@ -159,7 +177,7 @@ class TreeBuilder:
 
 
 @dataclass(frozen=True)
-class Chain:
+class Chain(Levelled):
     """A single path of ``depth`` drafts.
 
     Greedy decoding takes the drafter's top-1 token at each step. When sampling,
@@ -180,16 +198,6 @@ class Chain:
     def max_depth(self) -> int:
         return self.depth
 
-    def grow(
-        self,
-        step: StepFn,
-        root_token: int,
-        max_depth: int | None = None,
-        device: torch.device | str = "cpu",
-        sampling: Sampling | None = None,
-    ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampling), step)
-
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
         sampling: Sampling | None = None,
@@ -204,7 +212,7 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class StaticTree:
+class StaticTree(Levelled):
     """A fixed tree shape in Medusa's format: a list of paths of sibling ranks.
 
     ``[[0], [1], [0, 0]]`` keeps the drafter's top-2 tokens after the root and
@@ -268,16 +276,6 @@ class StaticTree:
             return cls(data, draw=draw)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-
-    def grow(
-        self,
-        step: StepFn,
-        root_token: int,
-        max_depth: int | None = None,
-        device: torch.device | str = "cpu",
-        sampling: Sampling | None = None,
-    ) -> Tree:
-        return drive(self.levels(root_token, max_depth, device, sampling), step)
 
     def levels(
         self, root_token: int, max_depth: int | None = None, device: torch.device | str = "cpu",
