@@ -2,9 +2,8 @@
 
 Pair i joins a feature of committed position i with the next token t_{i+1}.
 Each generation's `FeatureDraftState` keeps a draft KV cache of the pairs of
-its committed tokens: the prompt's pairs run when the state starts; the
-pairs committed since the last round run with the root's pair at the start
-of the next. Then each tree level runs one pair per frontier node (its
+its committed tokens: the pairs committed since the last round (at the
+first, the prompt's) run with the root's pair at the start of the next. Then each tree level runs one pair per frontier node (its
 parent's predicted feature, its own token) with tree attention. Between
 rounds the cache holds only pairs of committed tokens and true features;
 the root's pair is run again next round, so proposing twice without a
@@ -35,6 +34,11 @@ import torch
 from specgraft.heads.base import DraftRequest
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
 from specgraft.tree import Sampling, Tree, TreePolicy, grow_together
+
+
+# Commits a state holds as views of their steps' forward outputs before folding them into features: a row that
+# does not draft for many steps pins at most this many outputs.
+PENDING_COMMITS = 32
 
 
 class FeatureDrafter:
@@ -89,22 +93,20 @@ class FeatureDraftState:
         self.cache = cache  # pair i in slot i
         self.length = len(prompt_ids)  # n: committed tokens t_0 .. t_{n-1}
         self.peak = 0
-        # The prompt's pairs (f_i, t_{i+1}), i < n - 1, as the target's prefill: causal over an empty cache.
-        pairs = len(prompt_ids) - 1
-        if pairs:
-            positions = torch.arange(pairs, device=drafter.device)[None]
-            drafter.head.draft_step(features[None, :pairs], prompt_ids[None, 1:], positions, None, cache)
-        self._features = features[pairs:]  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
-        self._next_tokens = prompt_ids[1 + pairs :]  # t_{len(cache)+1} .. t_{n-1}
+        # The prompt's pairs (f_i, t_{i+1}) wait, like any commit, for the first round's catch-up: a row the
+        # engine never lets draft (its tree sized to nothing under load) never runs them.
+        self._features = features  # (n - len(cache), H): f_{len(cache)} .. f_{n-1}
+        self._next_tokens = prompt_ids[1:]  # t_{len(cache)+1} .. t_{n-1}
         # Commits since the last round, turned into features in one go when a round reads them: a row that
         # does not draft for many steps (its tree sized to nothing under load) pays no per-step copies.
         self.pending: list[tuple[torch.Tensor, dict[int, torch.Tensor]]] = []
 
-    @torch.inference_mode()
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
-        # Copies of this row's states: a view would keep the whole step's forward output alive until the flush.
-        self.pending.append((tokens.flatten().to(self.drafter.device), {i: h.clone() for i, h in hidden.items()}))
+        # Views, not copies: each keeps its step's forward output alive, so a long run of them is folded early.
+        self.pending.append((tokens, hidden))
         self.length += tokens.numel()
+        if len(self.pending) >= PENDING_COMMITS:
+            self._flush()
 
     @property
     def features(self) -> torch.Tensor:
@@ -130,9 +132,9 @@ class FeatureDraftState:
             return
         tokens, hidden = zip(*self.pending)
         self.pending = []
-        joined = {layer: torch.cat([h[layer] for h in hidden]) for layer in hidden[0]}
+        joined = {layer: torch.cat([h[layer] for h in hidden]).to(self.drafter.device) for layer in hidden[0]}
         self._features = torch.cat([self._features, self.drafter.head.draft_features(joined)])
-        self._next_tokens = torch.cat([self._next_tokens, *tokens])
+        self._next_tokens = torch.cat([self._next_tokens, *(t.flatten() for t in tokens)]).to(self.drafter.device)
 
     def cache_tokens(self) -> int:
         return self.peak

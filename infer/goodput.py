@@ -55,6 +55,7 @@ CALIBRATION_MEMORY = 200.0  # predicted acceptances a depth's calibration sums b
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 64  # cached tokens before the timed forwards
 COST_REPEATS = 4  # timed forwards per size; the fastest counts
+RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
 MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
 # drafter -> what it taught any controller (calibration, reach, cost): learned once per process, not per scheduler.
@@ -67,6 +68,7 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
+    observed: list[float] = field(default_factory=list)  # observed / predicted of forwards since the last rescale
 
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
@@ -109,10 +111,14 @@ class StepCost:
         return base * self.scale
 
     def observe(self, n: int, seconds: float) -> None:
-        """A step's forward over ``n`` tokens took ``seconds``: rescale the curve toward it (the machine's load moves)."""
+        """A step's forward over ``n`` tokens took ``seconds``: every `RESCALE_EVERY` of them, the curve moves toward
+        their mean (the machine's load moves; a scale that holds between moves lets plans be reused)."""
         predicted = self(n) / self.scale
         if predicted > 0:
-            self.scale = (1 - EMA) * self.scale + EMA * (seconds / predicted)
+            self.observed.append(seconds / predicted)
+        if len(self.observed) >= RESCALE_EVERY:
+            self.scale = (1 - EMA) * self.scale + EMA * sum(self.observed) / len(self.observed)
+            self.observed.clear()
 
 
 @dataclass
@@ -124,31 +130,36 @@ class DrafterStats:
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
     # Moving moments of (levels drafted, seconds per row) over its rounds, for `cost_of`'s straight line.
     moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
+    version: int = 0  # moves whenever cost or reach does: a plan priced at an older version is priced again
+    warm: bool = False  # a round was timed already: the first (cold: first calls allocate) is not its cost
 
     @property
     def measured(self) -> bool:
         return self.moments[0] > 0
 
     def observe_cost(self, levels: int, seconds_per_row: float) -> None:
+        self.version += 1
         w, mx, my, mxx, mxy = self.moments
         a = EMA if w else 1.0
         self.moments = [min(1.0, w + a), (1 - a) * mx + a * levels, (1 - a) * my + a * seconds_per_row,
                         (1 - a) * mxx + a * levels * levels, (1 - a) * mxy + a * levels * seconds_per_row]
 
     def cost_of(self, levels: int) -> float:
-        """Seconds of drafting one row ``levels`` deep: a fixed part plus a part per level, fitted to its rounds.
-
-        Rounds all of one depth cannot tell the parts apart: the cost is then put on the levels.
-        """
+        """Seconds of drafting one row ``levels`` deep: a fixed part plus a part per level, fitted to its rounds."""
         if levels <= 0:
             return 0.0
+        fixed, per_level = self.cost_line()
+        return fixed + per_level * levels
+
+    def cost_line(self) -> tuple[float, float]:
+        """(fixed, per level) seconds of drafting one row. Rounds all of one depth cannot tell the parts apart:
+        the cost is then put on the levels."""
         _, mx, my, mxx, mxy = self.moments
         var = mxx - mx * mx
         if var < 0.05 or mx <= 0:
-            return my * levels / max(mx, 1.0)
+            return 0.0, my / max(mx, 1.0)
         slope = max((mxy - mx * my) / var, 0.0)
-        fixed = max(my - slope * mx, 0.0)
-        return fixed + slope * levels
+        return max(my - slope * mx, 0.0), slope
 
     def factor(self, depth: int) -> float:
         """Calibration at ``depth``: accepted / predicted, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
@@ -177,6 +188,7 @@ class RowState:
     """One generation's running acceptance by depth, seeded from its drafter's."""
 
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
+    plan: tuple[Any, int, int] | None = None  # (the prices, the deepest allowed, the depth planned): valid while both hold
 
     def reach_at(self, depth: int, drafter: DrafterStats) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else drafter.reach_at(depth)
@@ -213,6 +225,8 @@ class GoodputController:
         self.cost: StepCost | None = None
         self.rows: dict[int, RowState] = {}
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
+        # id(drafter) -> ((batch, T's scale, stats version), fixed, per level, reach prior): `plan`'s prices.
+        self.priced: dict[int, tuple[tuple[int, float, int], float, float, list[float]]] = {}
 
     def step_cost(self) -> StepCost:
         """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
@@ -231,7 +245,10 @@ class GoodputController:
         return stats
 
     def row(self, key: int) -> RowState:
-        return self.rows.setdefault(key, RowState())
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = RowState()
+        return row
 
     def forget(self, key: int) -> None:
         self.rows.pop(key, None)
@@ -250,29 +267,59 @@ class GoodputController:
             batch: rows in the step (every one verifies at least its root).
         """
         cost = self.step_cost()
-        base = cost(batch)
-        goodput = batch / base  # committed tokens per second of plain decoding at this batch
-        marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
-        depths = {}
+        depths: dict[int, int] = {}
+        prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
         for key, drafter, max_depth in rows:
-            stats, row = self.stats(drafter), self.row(key)
-            if not stats.measured:
+            priced = prices.get(id(drafter), False)
+            if priced is False:
+                priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost)
+            if priced is None:
                 depths[key] = min(1, max_depth)
                 continue
-            best, best_net, gain = 0, 0.0, 0.0
-            for depth in range(1, max_depth + 1):
-                gain += row.reach_at(depth, stats)  # expected tokens of a chain of this depth
-                net = gain - goodput * (stats.cost_of(depth) + depth * marginal)
+            row = self.row(key)
+            if row.plan is not None and row.plan[0] is priced and row.plan[1] == max_depth:  # nothing moved
+                depths[key] = row.plan[2]
+                continue
+            _, fixed, per_level, prior = priced
+            if len(prior) < max_depth:
+                priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost, again=True)
+                _, fixed, per_level, prior = priced
+            reach = row.reach
+            best, best_net, net = 0, 0.0, -fixed
+            for d in range(max_depth):
+                net += (reach[d] if d < len(reach) else prior[d]) - per_level  # expected tokens less price, d + 1 deep
                 if net > best_net:
-                    best, best_net = depth, net
+                    best, best_net = d + 1, net
             depths[key] = best
+            row.plan = priced, max_depth, best
         return depths
+
+    def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost, again: bool = False) -> tuple | None:
+        """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
+        is unmeasured. Drafting and verifying d levels costs fixed + per_level * d tokens of plain goodput; its
+        reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, T's scale
+        or the drafter's statistics moved (or a deeper prior is asked for)."""
+        stats = self.stats(drafter)
+        if not stats.measured:
+            return None
+        inputs = (batch, cost.scale, stats.version)
+        priced = self.priced.get(id(drafter))
+        if priced is None or priced[0] != inputs or again:
+            base = cost(batch)
+            goodput = batch / base  # committed tokens per second of plain decoding at this batch
+            marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
+            fixed, per_level = stats.cost_line()
+            prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
+            priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
+        return priced
 
     def observe_draft(self, drafter: Any, rows: int, levels: int, seconds: float) -> None:
         """A drafter's proposals for ``rows`` rows, ``levels`` deep (at least 1: a lookup that found nothing worked
-        all the same), took ``seconds``."""
-        if rows and levels:
-            self.stats(drafter).observe_cost(levels, seconds / rows)
+        all the same), took ``seconds`` (a drafter's first round, cold, is not its cost)."""
+        stats = self.stats(drafter)
+        if rows and levels and stats.warm:
+            stats.observe_cost(levels, seconds / rows)
+        stats.warm = True
 
     # ------------------------------------------------------------------ 2. select
 
@@ -358,4 +405,6 @@ class GoodputController:
                 stats.observe(depth[i], math.exp(scores[i]), i in on_path)
         accepted, verified = len(on_path) - 1, tree.max_depth
         update_reach(stats.reach, accepted, verified)
+        stats.version += 1
         update_reach(row.reach, accepted, verified, prior=stats)
+        row.plan = None

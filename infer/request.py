@@ -60,9 +60,10 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` already sent in events
 
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+    hidden_layers: tuple[int, ...] = field(init=False)  # the target states its drafter reads
+
+    def __post_init__(self) -> None:
+        self.hidden_layers = tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
 
 
 def new_request(

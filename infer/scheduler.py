@@ -295,10 +295,14 @@ class Scheduler:
         if not live:
             return
         self.counters.adaptive_selected = None
-        if self.controller is not None and any(isinstance(r.tree, Adaptive) for r in live):
-            trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle], isinstance(r.tree, Adaptive))
-                                            for r in live])
-            self.counters.adaptive_selected = self.controller.selected_last
+        if self.controller is not None:
+            drafted = [isinstance(r.tree, Adaptive) and trees[r.handle].num_nodes > 1 for r in live]
+            if any(drafted):  # else nothing to cut
+                trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle],
+                                                          isinstance(r.tree, Adaptive)) for r in live])
+                self.counters.adaptive_selected = self.controller.selected_last
+            elif any(isinstance(r.tree, Adaptive) for r in live):
+                self.counters.adaptive_selected = 0
         prefixes = {r.handle: len(r.cache) for r in live}
         verified = self._verify(live, trees, prefixes, events)
         for request in live:
@@ -419,19 +423,21 @@ class Scheduler:
         kv_peak = prefix + tree.num_nodes + (request.draft.cache_tokens() if request.draft is not None else 0)
         accepted = accept(tree, logits, request.sampling, request.acceptance)
         count = accepted.path.numel()
-        # A chain's accepted path is its first nodes, in their slots already: a view and a crop, no gather.
-        path = slice(0, count) if tree.is_chain else accepted.path
-        if tree.is_chain:
+        if tree.is_chain:  # the accepted path is its first nodes, in their slots already: a crop, no gather
             request.cache.crop(prefix + count)
+            path = slice(0, count)
         else:
             request.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
+            path = accepted.path
+        whole = tree.is_chain and count == tree.num_nodes  # every node (a root alone): no views to take
+        tokens = tree.tokens if whole else tree.tokens[path]
         if request.draft is not None:
-            request.draft.commit(tree.tokens[path], {i: h[path] for i, h in hidden.items()},
+            request.draft.commit(tokens, hidden if whole else {i: h[path] for i, h in hidden.items()},
                                  accepted.path if request.drafted else None)
         request.root = accepted.next_token
-        if self.controller is not None:
+        if self.controller is not None and tree.num_nodes > 1:
             self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)
-        committed = tree.tokens[path][1:].tolist() + [accepted.next_token]
+        committed = tokens[1:].tolist() + [accepted.next_token]
         self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)

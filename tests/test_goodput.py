@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import Candidate, DrafterStats, GoodputController, StepCost, update_reach
+from specgraft.infer.goodput import RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost, update_reach
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -44,7 +44,10 @@ def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
     cost = StepCost({1: 1.0, 4: 2.5, 8: 4.5})
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.5) and cost(6) == pytest.approx(3.5)
     assert cost(12) == pytest.approx(6.5)  # beyond 8: the last segment's slope (0.5 a token)
-    cost.observe(4, 5.0)  # a step twice as slow as predicted: the curve moves a fifth of the way
+    for _ in range(RESCALE_EVERY - 1):  # steps twice as slow as predicted: the curve holds until a full set
+        cost.observe(4, 5.0)
+    assert cost.scale == 1.0
+    cost.observe(4, 5.0)  # then moves a fifth of the way
     assert cost.scale == pytest.approx(1.2) and cost(4) == pytest.approx(3.0)
 
 
@@ -163,6 +166,47 @@ def test_adaptive_trees_alone_and_beside_fixed_ones_equal_hf_greedy(stories, dev
     alone = sg.SpeculativeGenerator(stories, eagle, tree=tree).generate(prompts[0], 40, eos_token_id=())
     assert alone.token_ids == driver.result(handles[0]).token_ids
     assert alone.stats.mean_accepted_length > 1.5  # alone, the head's nodes were really verified
+
+
+def test_rows_idle_for_many_steps_draft_exactly_when_they_resume(stories, dev_prompts, trained_eagle, monkeypatch):
+    """An idle row's commits wait as views and are folded every `PENDING_COMMITS`; drafting resumes from them exactly."""
+    from specgraft.heads.feature_drafter import PENDING_COMMITS
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    steps = [0]
+
+    def idle_then_deep(self, rows, batch):  # no drafting for more steps than a state keeps pending, then 4 levels
+        steps[0] += 1
+        return {key: 0 if steps[0] <= PENDING_COMMITS + 5 else min(4, deepest) for key, _, deepest in rows}
+
+    monkeypatch.setattr(GoodputController, "plan", idle_then_deep)
+    prompts = [stories.encode(p) for p in dev_prompts[:2]]
+    sched = sg.Scheduler(stories, {"eagle": eagle}, max_batch_size=2)
+    driver = Driver(sched)
+    handles = [sched.submit(p, PENDING_COMMITS + 30, drafter="eagle", tree=sg.Adaptive(), eos_token_id=()) for p in prompts]
+    driver.run(*handles)
+    for handle, prompt in zip(handles, prompts):
+        assert driver.result(handle).token_ids == hf_generate(stories, prompt, PENDING_COMMITS + 30, eos_token_id=None)
+    assert sched.counters.accepted_tokens > 0  # after the idle stretch the head's drafts were accepted
+
+
+def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
+    """Forty one-token commits (folded at `PENDING_COMMITS` and at the round) draft the tree one commit of all forty does."""
+    eagle = sg.load_drafter(trained_eagle, stories)
+    prompt = stories.encode("Once upon a time, there was a little dog")
+    ids = torch.tensor(prompt + hf_generate(stories, prompt, 48, eos_token_id=None))
+    prompt, rest = ids[:6], ids[6:46]  # the prompt's start; forty committed tokens
+    out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=eagle.hidden_layers)
+    hidden = {i: h[0] for i, h in out.hidden.items()}
+    one_by_one = eagle.start(prompt, {i: h[:6] for i, h in hidden.items()})
+    at_once = eagle.start(prompt, {i: h[:6] for i, h in hidden.items()})
+    for j in range(6, 46):
+        one_by_one.commit(ids[j : j + 1], {i: h[j : j + 1] for i, h in hidden.items()})
+    at_once.commit(rest, {i: h[6:46] for i, h in hidden.items()})
+    assert len(one_by_one.pending) < len(rest)  # a fold happened before the round
+    a, b = (s.propose(int(ids[46]), sg.Chain(4), 4) for s in (one_by_one, at_once))
+    assert a.tokens.tolist() == b.tokens.tolist()
+    torch.testing.assert_close(a.scores, b.scores)
 
 
 def test_adaptive_rows_sampled_beside_fixed_ones_follow_their_own_distributions(small_vocab_pair, monkeypatch):  # noqa: F811
