@@ -37,29 +37,47 @@ class PromptLookup:
         return PromptLookupState(self, prompt_ids.detach().flatten().tolist())
 
 
+PENDING_COMMITS = 64  # commits a state keeps before indexing them anyway
+
+
 class PromptLookupState:
-    """One generation's history and its n-gram index, extended by each commit (no rescans)."""
+    """One generation's history and its n-gram index, extended by the commits when it next proposes: a row the
+    engine does not let draft (its tree sized to nothing under load) indexes nothing step by step."""
 
     def __init__(self, lookup: PromptLookup, history: list[int]) -> None:
         self.lookup = lookup
-        self.history: list[int] = []
+        self._history: list[int] = []
         # n-gram -> ends (index after its last token) of its occurrences in the history, oldest first.
         self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.pending: list[torch.Tensor] = []  # committed tokens not indexed yet
         self._extend(history)
 
+    @property
+    def history(self) -> list[int]:
+        self._fold()
+        return self._history
+
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
-        self._extend(tokens.detach().flatten().tolist())
+        self.pending.append(tokens)
+        if len(self.pending) >= PENDING_COMMITS:
+            self._fold()
 
     def cache_tokens(self) -> int:
         return 0
 
+    def _fold(self) -> None:
+        if self.pending:
+            tokens = torch.cat([t.detach().flatten() for t in self.pending]).tolist()
+            self.pending = []
+            self._extend(tokens)
+
     def _extend(self, tokens: list[int]) -> None:
-        lo, hi = self.lookup.min_ngram, self.lookup.max_ngram
+        lo, hi, history, ends = self.lookup.min_ngram, self.lookup.max_ngram, self._history, self.ends
         for token in tokens:
-            self.history.append(token)
-            end = len(self.history)
+            history.append(token)
+            end = len(history)
             for n in range(lo, min(hi, end) + 1):
-                self.ends.setdefault(tuple(self.history[end - n :]), []).append(end)
+                ends.setdefault(tuple(history[end - n :]), []).append(end)
 
     def propose(
         self, root_token: int, policy: TreePolicy | None, max_depth: int, sampling: Sampling | None = None
@@ -69,13 +87,14 @@ class PromptLookupState:
         ``policy`` and ``sampling`` are not used: copied tokens are point masses,
         which exact verification accepts at any temperature.
         """
+        self._fold()
         depth = min(self.lookup.num_tokens, max_depth)
         branches = self._continuations(root_token, depth) if depth > 0 else []
         return _trie(root_token, branches)
 
     def _continuations(self, root_token: int, depth: int) -> list[list[int]]:
         """What followed the most recent earlier occurrences of the longest recurring suffix of history + root."""
-        history, size = self.history, len(self.history)
+        history, size = self._history, len(self._history)
         for n in range(min(self.lookup.max_ngram, size), self.lookup.min_ngram - 1, -1):
             ends = self.ends.get((*history[size - n + 1 :], root_token))  # the suffix ends at the root
             if ends:

@@ -7,7 +7,9 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    tokens it is expected to add (the chance the row's accepted path reaches
    it) per second it adds (its share of the drafter's level, one more token
    in the forward) beat the step's goodput without speculation (one token per
-   row per forward at this batch);
+   row per forward at this batch); a row planned not to draft probes one
+   level now and then, verified whole, at most `PROBE_SHARE` of its steps'
+   worth, so that a row whose drafts stopped paying learns when they pay again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
    sum over rows of (1 + the estimates of its selected nodes) / T(N), N the
@@ -36,7 +38,7 @@ import bisect
 import math
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -56,6 +58,9 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 64  # cached tokens before the timed forwards
 COST_REPEATS = 4  # timed forwards per size; the fastest counts
 RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
+# A row planned not to draft probes one level now and then, verified whole, so that its acceptance is learned
+# again (a row that never drafts never learns that drafting now pays): probes cost at most this share of its steps.
+PROBE_SHARE = 0.02
 MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
 # drafter -> what it taught any controller (calibration, reach, cost): learned once per process, not per scheduler.
@@ -132,6 +137,8 @@ class DrafterStats:
     moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
     version: int = 0  # moves whenever cost or reach does: a plan priced at an older version is priced again
     warm: bool = False  # a round was timed already: the first (cold: first calls allocate) is not its cost
+    # depth -> [verified nodes, sum of the estimates selection used, how many were accepted]: the calibration curve.
+    curve: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def measured(self) -> bool:
@@ -161,6 +168,12 @@ class DrafterStats:
         slope = max((mxy - mx * my) / var, 0.0)
         return max(my - slope * mx, 0.0), slope
 
+    def calibration_curve(self) -> list[dict[str, float]]:
+        """By depth: nodes verified, their mean estimate when selected, and the fraction accepted (the two agree
+        when the controller is calibrated)."""
+        return [{"depth": d, "nodes": int(n), "estimated": total / n, "observed": hits / n}
+                for d, (n, total, hits) in sorted(self.curve.items()) if n]
+
     def factor(self, depth: int) -> float:
         """Calibration at ``depth``: accepted / predicted, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
         i = depth - 1
@@ -189,6 +202,7 @@ class RowState:
 
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
     plan: tuple[Any, int, int] | None = None  # (the prices, the deepest allowed, the depth planned): valid while both hold
+    idle: int = 0  # steps planned not to draft since its last probe
 
     def reach_at(self, depth: int, drafter: DrafterStats) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else drafter.reach_at(depth)
@@ -226,6 +240,8 @@ class GoodputController:
         self.rows: dict[int, RowState] = {}
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
         # id(drafter) -> ((batch, T's scale, stats version), fixed, per level, reach prior): `plan`'s prices.
+        self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
+        self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
         self.priced: dict[int, tuple[tuple[int, float, int], float, float, list[float]]] = {}
 
     def step_cost(self) -> StepCost:
@@ -252,6 +268,7 @@ class GoodputController:
 
     def forget(self, key: int) -> None:
         self.rows.pop(key, None)
+        self.estimated.pop(key, None)
 
     # ------------------------------------------------------------------ 1. plan
 
@@ -268,6 +285,7 @@ class GoodputController:
         """
         cost = self.step_cost()
         depths: dict[int, int] = {}
+        self.probes = set()
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
@@ -278,20 +296,27 @@ class GoodputController:
                 continue
             row = self.row(key)
             if row.plan is not None and row.plan[0] is priced and row.plan[1] == max_depth:  # nothing moved
-                depths[key] = row.plan[2]
-                continue
-            _, fixed, per_level, prior = priced
-            if len(prior) < max_depth:
-                priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost, again=True)
+                best = row.plan[2]
+            else:
                 _, fixed, per_level, prior = priced
-            reach = row.reach
-            best, best_net, net = 0, 0.0, -fixed
-            for d in range(max_depth):
-                net += (reach[d] if d < len(reach) else prior[d]) - per_level  # expected tokens less price, d + 1 deep
-                if net > best_net:
-                    best, best_net = d + 1, net
+                if len(prior) < max_depth:
+                    priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost, again=True)
+                    _, fixed, per_level, prior = priced
+                reach = row.reach
+                best, best_net, net = 0, 0.0, -fixed
+                for d in range(max_depth):
+                    net += (reach[d] if d < len(reach) else prior[d]) - per_level  # expected tokens less price
+                    if net > best_net:
+                        best, best_net = d + 1, net
+                row.plan = priced, max_depth, best
             depths[key] = best
-            row.plan = priced, max_depth, best
+            if best == 0 and max_depth >= 1:
+                row.idle += 1
+                _, fixed, per_level, _ = priced
+                if row.idle * PROBE_SHARE >= fixed + per_level:  # a probe's price is its share of the idle steps
+                    row.idle = 0
+                    depths[key] = 1
+                    self.probes.add(key)
         return depths
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost, again: bool = False) -> tuple | None:
@@ -347,17 +372,20 @@ class GoodputController:
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
         """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
 
-        Fixed rows' trees are verified whole: their nodes count as given costs and gains.
+        Fixed rows' trees, and probes (see `PROBE_SHARE`), are verified whole: their nodes count as given costs and
+        gains.
         """
         cost = self.step_cost()
         tokens, expected = 0, 0.0
         pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
+        estimates: dict[int, list[float]] = {}  # row index -> its nodes' estimates
+        candidates = [c if c.key not in self.probes else replace(c, adaptive=False) for c in candidates]
         for r, c in enumerate(candidates):
             tokens += 1
             expected += 1.0
             if c.tree.num_nodes == 1:
                 continue
-            est = self.estimates(c)
+            est = estimates[r] = self.estimates(c)
             if not c.adaptive:
                 tokens += c.tree.num_draft_tokens
                 expected += sum(est[1:])
@@ -380,11 +408,14 @@ class GoodputController:
         for r, c in enumerate(candidates):
             if not c.adaptive:
                 trees[c.key] = c.tree
-            elif len(keep[r]) == c.tree.num_nodes:
+                continue
+            kept = sorted(keep[r])
+            if len(kept) > 1:  # what selection expected of each verified node, for the calibration curve
+                self.estimated[c.key] = [estimates[r][i] for i in kept]
+            if len(kept) == c.tree.num_nodes:
                 trees[c.key] = c.tree
             else:
-                nodes = torch.tensor(sorted(keep[r]), device=c.tree.tokens.device)
-                trees[c.key] = subtree(c.tree, nodes)
+                trees[c.key] = subtree(c.tree, torch.tensor(kept, device=c.tree.tokens.device))
         return trees
 
     # ------------------------------------------------------------------ 3. learn
@@ -403,6 +434,13 @@ class GoodputController:
         if any(scores[1:]):
             for i in range(1, tree.num_nodes):
                 stats.observe(depth[i], math.exp(scores[i]), i in on_path)
+        estimated = self.estimated.pop(key, None)
+        if estimated is not None and len(estimated) == tree.num_nodes:
+            for i in range(1, tree.num_nodes):
+                point = stats.curve.setdefault(depth[i], [0, 0.0, 0])
+                point[0] += 1
+                point[1] += estimated[i]
+                point[2] += i in on_path
         accepted, verified = len(on_path) - 1, tree.max_depth
         update_reach(stats.reach, accepted, verified)
         stats.version += 1

@@ -213,6 +213,14 @@ class Scheduler:
         self.queued.append(request)
         return request.handle
 
+    def prepare_adaptive(self) -> GoodputController:
+        """The goodput controller, made now and its T(N) timed: a server whose default tree is `Adaptive` pays the
+        few timed forwards at start-up, not in its first request."""
+        if self.controller is None:
+            self.controller = GoodputController(self.target)
+        self.controller.step_cost()
+        return self.controller
+
     def cancel(self, handle: int) -> None:
         """Stop a queued or running generation now and free its rows; it emits no more events.
 

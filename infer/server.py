@@ -54,7 +54,7 @@ from specgraft.infer.serve_metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
 from specgraft.specs import PROMPT_LOOKUP, parse_tree, tree_file
-from specgraft.tree import Chain, StaticTree, TreePolicy, policy_from_spec, tree_from_spec
+from specgraft.tree import Adaptive, Chain, StaticTree, TreePolicy, policy_from_spec, tree_from_spec
 
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
 DISCONNECT_POLL_S = 0.5  # how often a request that has no token yet checks that its client is still there
@@ -208,8 +208,8 @@ def create_app(
     Args:
         drafters: name -> loaded drafter; ``none`` and ``prompt-lookup`` are added when absent.
         default_drafter: the drafter of requests without ``speculative`` (and of ``"auto"``).
-        default_tree: the tree of requests that name none (default ``Chain(5)``; ``Adaptive()`` sizes it each step by
-            expected goodput).
+        default_tree: the tree of requests that name none (default ``Adaptive()``: sized each step by expected
+            goodput, so speculation does not cost throughput under load; T(N) is timed here, before serving).
     """
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:
@@ -217,9 +217,12 @@ def create_app(
     metrics = Metrics()
     engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
     state = ServerState(
-        target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree or Chain(depth=5),
+        target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree or Adaptive(),
         model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,
     )
+
+    if isinstance(state.default_tree, Adaptive):
+        engine.scheduler.prepare_adaptive()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -494,17 +494,22 @@ def test_dev_prompt_file_is_the_spec_bench_format():
 
 def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(stories, prompts_file, tmp_path, capsys):
     args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--drafter", "self", "--tree", "chain:3",
-                 "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--batch-size", "2,1",
+                 "--tree", "adaptive", "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--batch-size", "2,1",
                  "--out", str(tmp_path / "out"), "--json")
     assert bench_main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["greedy_identical"] and printed["settings"]["batch_sizes"] == [1, 2]
     cells = {(r["method"], r["batch_size"]) for r in printed["rows"]}
-    assert cells == {(m, b) for m in ("plain", "prompt-lookup", "self chain:3") for b in (1, 2)}
+    # Prompt lookup ignores fixed trees but not adaptive ones, which size its depth.
+    methods = ("plain", "prompt-lookup", "prompt-lookup adaptive", "self chain:3", "self adaptive")
+    assert cells == {(m, b) for m in methods for b in (1, 2)}
+    assert set(printed["calibration"]) == {"prompt-lookup adaptive", "self adaptive"}
+    assert all(set(p) == {"depth", "nodes", "estimated", "observed"} for c in printed["calibration"].values() for p in c)
     plain = [r for r in printed["rows"] if r["method"] == "plain"]
     assert all(r["mean_accepted_length"] == 1.0 and r["total_tokens_per_s"] > 0 for r in plain)
     assert (tmp_path / "out" / "throughput_vs_batch_size.png").is_file()
-    assert "| plain |" in (tmp_path / "out" / "results.md").read_text()
+    markdown = (tmp_path / "out" / "results.md").read_text()
+    assert "| plain |" in markdown and "| self adaptive |" in markdown and "Against plain decoding" in markdown
 
 
 def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_path):

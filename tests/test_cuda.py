@@ -43,3 +43,22 @@ def test_batched_generation_on_cuda_equals_hf_greedy(cuda_stories, dev_prompts, 
         want = hf_greedy(cuda_stories, ids, n)
         assert out.token_ids == want
         assert gen.generate(ids, max_new_tokens=n, eos_token_id=()).token_ids == want
+
+
+def test_adaptive_trees_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
+    """The goodput controller's path on a GPU: T(N) timed there, adaptive rows beside fixed and plain ones, exact."""
+    drafters = {"lookup": sg.PromptLookup(), "self": sg.DraftModel(cuda_stories, cuda_stories)}
+    rows = [("lookup", sg.Adaptive()), ("self", sg.Adaptive(max_depth=4, max_nodes=8)), ("self", sg.Chain(3)),
+            ("none", None), ("lookup", sg.Adaptive(max_depth=3, max_nodes=3))]
+    sched = sg.Scheduler(cuda_stories, drafters, max_batch_size=4)
+    prompts = [cuda_stories.encode(p) for p in dev_prompts[:len(rows)]]
+    handles = {sched.submit(p, 32, drafter=name, tree=tree, eos_token_id=()): p for p, (name, tree) in zip(prompts, rows)}
+    outputs = {}
+    while not sched.idle:
+        for event in sched.step():
+            if isinstance(event, sg.Finished):
+                outputs[event.handle] = event.output.token_ids
+            assert not isinstance(event, sg.Failed), event
+    assert sched.controller is not None and sched.controller.cost is not None  # timed on this device
+    for handle, prompt in handles.items():
+        assert outputs[handle] == hf_greedy(cuda_stories, prompt, 32)

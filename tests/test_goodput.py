@@ -3,6 +3,7 @@ exact end to end (greedy identity and enumerated distributions), alone and besid
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -126,6 +127,40 @@ def test_calibration_learns_accepted_over_predicted_by_depth_from_a_prior_of_one
         stats.observe(1, 0.8, accepted=False)
         stats.observe(1, 0.8, accepted=True)
     assert stats.factor(1) == pytest.approx((40 + 4) / (64 + 4))
+
+
+def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budgeted_share_of_steps():
+    from specgraft.infer.goodput import PROBE_SHARE
+
+    ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # each token costs a forward: no depth pays
+    stats = ctl.stats(d)
+    stats.observe_cost(1, 0.01)
+    stats.observe_cost(2, 0.02)  # 0.01 s a level
+    stats.reach = [0.3, 0.1]
+    plans = []
+    for _ in range(200):
+        plans.append(ctl.plan([(0, d, 4)], batch=1)[0])
+        if plans[-1]:
+            assert ctl.probes == {0}
+            chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
+            assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # a probe is verified whole
+    # A level's price: goodput 1 token/s x (0.01 s + one more forward token, 1 s) = 1.01 tokens; probes spend 2%.
+    every = math.ceil(1.01 / PROBE_SHARE)
+    assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, 200, every))
+    assert set(plans) == {0, 1}
+    chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # not probing: cut as selection says
+
+
+def test_the_calibration_curve_pairs_what_selection_expected_with_what_was_accepted():
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free: every node is kept
+    for accepted in ([0, 1], [0, 1, 2], [0]):
+        chain = tree_of([-1, 0, 1], logp=[0.0, math.log(0.8), math.log(0.4)])
+        trees = ctl.select([Candidate(7, d, chain, True)])
+        ctl.observe_step(7, d, trees[7], torch.tensor(accepted))
+    curve = ctl.stats(d).calibration_curve()
+    assert [(p["depth"], p["nodes"], p["observed"]) for p in curve] == [(1, 3, 2 / 3), (2, 3, 1 / 3)]
+    assert curve[0]["estimated"] == pytest.approx(0.8, abs=0.05) and curve[1]["estimated"] == pytest.approx(0.4, abs=0.05)
 
 
 # --------------------------------------------------------------------------- exact end to end

@@ -48,7 +48,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "the server's default)",
     )
     parser.add_argument("--tree", action="append", default=[], help=TREE_HELP + " (repeatable; default chain:5). "
-                        "prompt-lookup ignores trees")
+                        "prompt-lookup ignores trees but adaptive ones, which size its depth each step")
     parser.add_argument(
         "--method", nargs=2, action="append", default=[], metavar=("DRAFTER", "TREE"),
         help="one drafter with one tree, not crossed with the others (repeatable), e.g. "
@@ -84,7 +84,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         + "; 'none' and 'prompt-lookup' always exist")
     parser.add_argument("--default-drafter", default=PROMPT_LOOKUP,
                         help="drafter of requests without 'speculative' (a --drafter NAME, 'prompt-lookup' or 'none')")
-    parser.add_argument("--tree", default="chain:5", help="default tree: " + TREE_HELP)
+    parser.add_argument("--tree", default="adaptive", help="default tree: " + TREE_HELP + " (default: %(default)s: sized "
+                        "each step by expected goodput, so speculation does not cost throughput under load)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="most generations running at once")
     parser.add_argument("--max-queue", type=int, default=256, help="most generations waiting; more get 503 + Retry-After")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")

@@ -53,7 +53,7 @@ from specgraft.tools.bench_runners import (
     HF_PLD_NUM_TOKENS, STATS_KEYS, Runner, baseline_runner, drafter_label, engine_runner, parse_baseline,
 )
 from specgraft.tools.prompts import BenchPrompt, encode_prompt, read_prompt_file
-from specgraft.tree import Chain, TreePolicy, parse_tree_spec
+from specgraft.tree import Adaptive, Chain, TreePolicy, parse_tree_spec
 
 if TYPE_CHECKING:
     import argparse
@@ -480,7 +480,8 @@ def spec_label(spec: str | DrafterSpec) -> str:
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
     """Each --drafter crossed with each tree, then each --method pair; a drafter named twice loads once.
 
-    Prompt lookup builds its own trie, so it runs once whatever the trees.
+    Prompt lookup builds its own trie, so it runs once whatever the fixed trees, and once more per adaptive tree
+    (which sizes its depth each step).
     """
     drafters: dict[str, Drafter] = {}
 
@@ -494,11 +495,14 @@ def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], targ
         label, drafter = labelled(spec)
         if isinstance(drafter, PromptLookup):
             methods.append((label, drafter, None))
+            methods += [(f"{label} {name}", drafter, tree) for name, tree in trees if isinstance(tree, Adaptive)]
             continue
         methods += [(f"{label} {name}", drafter, tree) for name, tree in trees]
     for spec, tree_spec in args.method:
         label, drafter = labelled(spec)
-        tree = None if isinstance(drafter, PromptLookup) else parse_tree_spec(tree_spec)
+        tree = parse_tree_spec(tree_spec)
+        if isinstance(drafter, PromptLookup) and not isinstance(tree, Adaptive):
+            tree = None
         methods.append((label if tree is None else f"{label} {tree_label(tree_spec)}", drafter, tree))
     names = [name for name, _, _ in methods]
     repeated = sorted({name for name in names if names.count(name) > 1})

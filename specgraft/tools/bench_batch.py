@@ -26,7 +26,8 @@ from typing import Any, Mapping, Sequence
 from specgraft.heads import Drafter
 from specgraft.infer import SpeculativeGenerator, percentile
 from specgraft.model import Target
-from specgraft.tree import TreePolicy
+from specgraft.infer.goodput import GoodputController
+from specgraft.tree import Adaptive, TreePolicy
 
 PLOT = "throughput_vs_batch_size.png"
 
@@ -75,6 +76,10 @@ def run_batch_sweep(
                      "order": "interleaved per group of B prompts; the method order rotates by one each group"},
         "rows": rows,
         "crossover": crossover(rows),
+        # Adaptive trees: by depth, what the goodput controller expected of the nodes it verified and what was accepted
+        # (over the whole sweep; per drafter, shared by every method that drafts with it).
+        "calibration": {name: GoodputController.stats(drafter).calibration_curve()
+                        for name, drafter, tree in methods if isinstance(tree, Adaptive)},
         "greedy_identical": not mismatches,
         "mismatches": mismatches,
     }
@@ -135,6 +140,18 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
             f"{cell[m, b]['total_tokens_per_s']:.1f} ({cell[m, b]['mean_accepted_length']:.2f})" for b in sizes) + " |")
     point = results["crossover"]
     lines += ["", f"Speculation stops paying at batch {point}." if point else "Speculation pays at every batch size measured.", ""]
+    plain = methods[0]
+    lines += ["Against plain decoding:", "", "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in methods[1:]:
+        lines.append(f"| {m} | " + " | ".join(
+            f"{cell[m, b]['total_tokens_per_s'] / max(cell[plain, b]['total_tokens_per_s'], 1e-9):.2f}x" for b in sizes) + " |")
+    lines.append("")
+    for name, curve in results.get("calibration", {}).items():
+        if curve:
+            lines += [f"Calibration of {name} (nodes verified by depth: the mean estimate selection used, the fraction "
+                      "accepted):", "", "| depth | nodes | estimated | observed |", "|---:|---:|---:|---:|"]
+            lines += [f"| {p['depth']} | {p['nodes']} | {p['estimated']:.3f} | {p['observed']:.3f} |" for p in curve]
+            lines.append("")
     lines += ["| method | B | request tokens/s p50 | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
