@@ -12,8 +12,10 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    worth, so that a row whose drafts stopped paying learns when they pay again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
-   sum over rows of (1 + the estimates of its selected nodes) / T(N), N the
-   tokens verified and T the target's forward time at N packed tokens. Nodes
+   sum over rows of (1 + the estimates of its selected nodes) / (T(N) + W R),
+   N the tokens verified, T the target's forward time at N packed tokens, R
+   the rows verifying a tree and W the scheduler's own work on one (masks,
+   acceptance, gathers; fitted to the steps' times beyond their forward). Nodes
    enter by decreasing estimate and an estimate never exceeds its parent's,
    so a selected node's parent is always selected;
 3. learns, after verifying: a node's estimate is its drafter's path
@@ -74,6 +76,12 @@ class StepCost:
     points: dict[int, float]
     scale: float = 1.0
     observed: list[float] = field(default_factory=list)  # observed / predicted of forwards since the last rescale
+    # Seconds a row verifying a tree adds beyond its forward tokens (tree masks, acceptance, gathers: the scheduler's
+    # own work), fitted to steps; and the moving moments of that fit (weight, rows², rows·drafted, drafted², rows·s,
+    # drafted·s).
+    per_drafted: float = 0.0
+    moments: list[float] = field(default_factory=lambda: [0.0] * 6)
+    steps: int = 0
 
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
@@ -114,6 +122,20 @@ class StepCost:
             i = bisect.bisect_left(xs, n)  # xs[i - 1] < n <= xs[i]
             base = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
         return base * self.scale
+
+    def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
+        """A step's verification and commits beyond its forward took ``seconds`` for ``rows`` rows of which ``drafted``
+        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (moving least squares, no intercept)."""
+        a = EMA if self.moments[0] else 1.0
+        self.moments = [(1 - a) * m + a * v for m, v in zip(self.moments, (
+            1.0, rows * rows, rows * drafted, drafted * drafted, rows * seconds, drafted * seconds))]
+        self.steps += 1
+        if self.steps % RESCALE_EVERY:  # moved with the scale, every few steps: plans priced on it are reused between
+            return
+        _, rr, rd, dd, ry, dy = self.moments
+        det = rr * dd - rd * rd
+        if det > 1e-9 * max(rr * dd, 1e-30):
+            self.per_drafted = max((rr * dy - rd * ry) / det, 0.0)
 
     def observe(self, n: int, seconds: float) -> None:
         """A step's forward over ``n`` tokens took ``seconds``: every `RESCALE_EVERY` of them, the curve moves toward
@@ -239,10 +261,11 @@ class GoodputController:
         self.cost: StepCost | None = None
         self.rows: dict[int, RowState] = {}
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
-        # id(drafter) -> ((batch, T's scale, stats version), fixed, per level, reach prior): `plan`'s prices.
+        # id(drafter) -> ((batch, T's scale, per drafted row, stats version), fixed, per level, reach prior):
+        # `plan`'s prices.
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
-        self.priced: dict[int, tuple[tuple[int, float, int], float, float, list[float]]] = {}
+        self.priced: dict[int, tuple[tuple[int, float, float, int], float, float, list[float]]] = {}
 
     def step_cost(self) -> StepCost:
         """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
@@ -327,13 +350,14 @@ class GoodputController:
         stats = self.stats(drafter)
         if not stats.measured:
             return None
-        inputs = (batch, cost.scale, stats.version)
+        inputs = (batch, cost.scale, cost.per_drafted, stats.version)
         priced = self.priced.get(id(drafter))
         if priced is None or priced[0] != inputs or again:
             base = cost(batch)
             goodput = batch / base  # committed tokens per second of plain decoding at this batch
             marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
             fixed, per_level = stats.cost_line()
+            fixed += cost.per_drafted  # a row that drafts verifies a tree: the scheduler's work beyond the tokens
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
         return priced
@@ -393,11 +417,16 @@ class GoodputController:
             depth = c.tree.depth.tolist()
             pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
         pool.sort()  # by estimate, parents before children on ties
-        best_k, best = 0, expected / cost(tokens)
-        gained = expected
-        for k, (neg, _, _, _) in enumerate(pool, start=1):
+        fixed_trees = sum(1 for c in candidates if not c.adaptive and c.tree.num_nodes > 1)
+        extra = cost.per_drafted * fixed_trees  # each row verifying a tree costs the scheduler's work on it
+        best_k, best = 0, expected / (cost(tokens) + extra)
+        gained, opened = expected, set()
+        for k, (neg, _, r, _) in enumerate(pool, start=1):
             gained -= neg
-            rate = gained / cost(tokens + k)
+            if r not in opened:  # this row's first node: it now verifies a tree
+                opened.add(r)
+                extra += cost.per_drafted
+            rate = gained / (cost(tokens + k) + extra)
             if rate > best:
                 best_k, best = k, rate
         keep: dict[int, list[int]] = {r: [0] for r, c in enumerate(candidates) if c.adaptive}
@@ -423,6 +452,12 @@ class GoodputController:
     def observe_forward(self, tokens: int, seconds: float) -> None:
         if self.cost is not None:
             self.cost.observe(tokens, seconds)
+
+    def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
+        """A step's work beyond its forward (selection, commits) took ``seconds`` over ``rows`` rows, ``drafted`` of
+        which verified a tree."""
+        if self.cost is not None:
+            self.cost.observe_step(rows, drafted, seconds)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
         """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""

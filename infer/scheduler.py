@@ -141,6 +141,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.counters = EngineCounters()
         self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
+        self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
         self._next_handle = 0
 
     # ------------------------------------------------------------------ the pool
@@ -303,6 +304,7 @@ class Scheduler:
         if not live:
             return
         self.counters.adaptive_selected = None
+        start, self._forward_seconds = time.perf_counter(), 0.0
         if self.controller is not None:
             drafted = [isinstance(r.tree, Adaptive) and trees[r.handle].num_nodes > 1 for r in live]
             if any(drafted):  # else nothing to cut
@@ -318,6 +320,9 @@ class Scheduler:
                 logits, hidden = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
+        if self.controller is not None:  # what verifying trees costs beyond their tokens: the scheduler's own work
+            drafted = sum(1 for r in live if trees[r.handle].num_nodes > 1)
+            self.controller.observe_overhead(len(live), drafted, time.perf_counter() - start - self._forward_seconds)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
@@ -399,6 +404,7 @@ class Scheduler:
                 self.counters.verify_forwards += 1
                 start = time.perf_counter()
                 result = self._isolated(request, events, forward)
+                self._forward_seconds += time.perf_counter() - start
                 if result is not None:
                     verified[request.handle] = result
                     if self.pool is not None and self.controller is not None:  # one row: the step's one forward
@@ -414,8 +420,9 @@ class Scheduler:
         self.counters.verify_forwards += 1
         start = time.perf_counter()
         out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
+        self._forward_seconds = time.perf_counter() - start
         if self.controller is not None:
-            self.controller.observe_forward(sum(s.size for s in segments), time.perf_counter() - start)
+            self.controller.observe_forward(sum(s.size for s in segments), self._forward_seconds)
         verified, offset = {}, 0
         for request, segment in zip(live, segments):
             part = slice(offset, offset + segment.size)

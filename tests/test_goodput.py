@@ -52,6 +52,19 @@ def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
     assert cost.scale == pytest.approx(1.2) and cost(4) == pytest.approx(3.0)
 
 
+def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_priced_in_selection():
+    cost = StepCost({1: 1.0, 64: 1.0})  # verifying tokens is free
+    for step in range(4 * RESCALE_EVERY):  # 1 ms a row, 0.5 ms more a row that verified a tree
+        rows, drafted = 4 + step % 3, step % 4
+        cost.observe_step(rows, drafted, 0.001 * rows + 0.0005 * drafted)
+    assert cost.per_drafted == pytest.approx(0.0005, rel=1e-3)
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()
+    chain = tree_of([-1, 0], logp=[0.0, math.log(0.5)])
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # free: kept
+    ctl.cost.per_drafted = 1.0  # a tree costs a whole forward more: half a token does not repay it
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1
+
+
 def test_selection_keeps_every_node_when_verifying_is_free_and_none_when_each_token_costs_a_forward():
     chain = tree_of([-1, 0, 1], logp=[0.0, -0.1, -0.3])
     d = Drafter()
