@@ -7,9 +7,10 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    tokens it is expected to add (the chance the row's accepted path reaches
    it) per second it adds (its share of the drafter's level, one more token
    in the forward) beat the step's goodput without speculation (one token per
-   row per forward at this batch); a row planned not to draft probes one
-   level now and then, verified whole, at most `PROBE_SHARE` of its steps'
-   worth, so that a row whose drafts stopped paying learns when they pay again;
+   row per forward at this batch); now and then a row probes one level
+   deeper than planned, verified whole, at most `PROBE_SHARE` of its steps'
+   worth, so that a level that stopped paying (or never paid yet) is learned
+   again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
    sum over rows of (1 + the estimates of its selected nodes) / (T(N) + W R),
@@ -53,6 +54,7 @@ EMA = 0.2
 # Pseudo-counts of the priors: a calibration starts at factor 1 (trust the drafter's probabilities) and a row's
 # reach at its drafter's, each worth this many observations.
 PRIOR_WEIGHT = 4.0
+ROW_MEMORY = 32.0  # steps verified to a depth a row's reach there counts before both counts halve
 REACH_PRIOR = 0.5  # P(the accepted path reaches depth 1) before anything was observed; depth d: this ** d
 CALIBRATION_MEMORY = 200.0  # predicted acceptances a depth's calibration sums before both halve
 # Token counts at which T(N) is timed at start-up; larger N are extrapolated along the last segment.
@@ -60,8 +62,8 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 64  # cached tokens before the timed forwards
 COST_REPEATS = 4  # timed forwards per size; the fastest counts
 RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
-# A row planned not to draft probes one level now and then, verified whole, so that its acceptance is learned
-# again (a row that never drafts never learns that drafting now pays): probes cost at most this share of its steps.
+# Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
+# (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
 PROBE_SHARE = 0.02
 MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
@@ -224,10 +226,28 @@ class RowState:
 
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
     plan: tuple[Any, int, int] | None = None  # (the prices, the deepest allowed, the depth planned): valid while both hold
-    idle: int = 0  # steps planned not to draft since its last probe
+    idle: int = 0  # steps since its last probe
+
+    hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose accepted path reached d
+    seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d
 
     def reach_at(self, depth: int, drafter: DrafterStats) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else drafter.reach_at(depth)
+
+    def observe(self, accepted: int, verified_depth: int, drafter: DrafterStats) -> None:
+        """Its reach by depth: its own recent hits, pulled toward its drafter's by `PRIOR_WEIGHT` pseudo-steps (a few
+        rejections do not silence a row; `ROW_MEMORY` recent steps a depth count before older ones halve)."""
+        for d in range(1, verified_depth + 1):
+            if d > len(self.seen):
+                self.hits.append(0.0)
+                self.seen.append(0.0)
+            self.hits[d - 1] += accepted >= d
+            self.seen[d - 1] += 1
+            if self.seen[d - 1] > ROW_MEMORY:
+                self.hits[d - 1] /= 2
+                self.seen[d - 1] /= 2
+        self.reach = [(h + PRIOR_WEIGHT * drafter.reach_at(d)) / (n + PRIOR_WEIGHT)
+                      for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
 
 def update_reach(reach: list[float], accepted: int, verified_depth: int, prior: DrafterStats | None = None) -> None:
@@ -333,12 +353,12 @@ class GoodputController:
                         best, best_net = d + 1, net
                 row.plan = priced, max_depth, best
             depths[key] = best
-            if best == 0 and max_depth >= 1:
+            if best < max_depth:
                 row.idle += 1
                 _, fixed, per_level, _ = priced
-                if row.idle * PROBE_SHARE >= fixed + per_level:  # a probe's price is its share of the idle steps
+                if row.idle * PROBE_SHARE >= per_level + (fixed if best == 0 else 0.0):  # the level's share of steps
                     row.idle = 0
-                    depths[key] = 1
+                    depths[key] = best + 1
                     self.probes.add(key)
         return depths
 
@@ -479,5 +499,5 @@ class GoodputController:
         accepted, verified = len(on_path) - 1, tree.max_depth
         update_reach(stats.reach, accepted, verified)
         stats.version += 1
-        update_reach(row.reach, accepted, verified, prior=stats)
+        row.observe(accepted, verified, stats)
         row.plan = None
