@@ -2,6 +2,7 @@
 
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options
+from specgraft.infer.goodput import GoodputController
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats, percentile
@@ -18,6 +19,7 @@ __all__ = [
     "Finished",
     "GenerationOutput",
     "GenerationStats",
+    "GoodputController",
     "PromptIds",
     "Scheduler",
     "SpeculativeGenerator",

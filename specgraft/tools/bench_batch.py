@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from specgraft.heads import Drafter
-from specgraft.infer import SpeculativeGenerator, percentile
+from specgraft.infer import GoodputController, SpeculativeGenerator, percentile
 from specgraft.model import Target
-from specgraft.infer.goodput import GoodputController
 from specgraft.tree import Adaptive, TreePolicy
 
 PLOT = "throughput_vs_batch_size.png"
