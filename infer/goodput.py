@@ -93,22 +93,23 @@ class StepCost:
     def measure(cls, target: Target) -> StepCost:
         """A few timed forwards: N tokens after `COST_PREFIX` cached ones, for every size of `COST_SIZES` the
         context holds (once per target: a batch size met later needs no new measurement)."""
-        room = target.max_context - COST_PREFIX
+        cached = min(COST_PREFIX, target.max_context // 2)  # a short context (a test's tiny model) keeps room for N
+        room = target.max_context - cached
         sizes = [n for n in COST_SIZES if n <= room] or [1]
         device = target.device
-        prefix = (torch.arange(COST_PREFIX, device=device) * 31 + 5) % target.vocab_size
+        prefix = (torch.arange(cached, device=device) * 31 + 5) % target.vocab_size
         cache = target.new_cache()
-        target.forward(prefix[None], cache, torch.arange(COST_PREFIX, device=device)[None])
+        target.forward(prefix[None], cache, torch.arange(cached, device=device)[None])
         points, floor = {}, 0.0
         for n in sizes:
             ids = (torch.arange(n, device=device) * 7919 + 11) % target.vocab_size
-            positions = torch.arange(COST_PREFIX, COST_PREFIX + n, device=device)[None]
+            positions = torch.arange(cached, cached + n, device=device)[None]
             best = math.inf
             for attempt in range((COST_REPEATS if n <= 16 else 1) + 1):  # the first warms up; large N vary little
                 start = time.perf_counter()
                 target.forward(ids[None], cache, positions)
                 elapsed = time.perf_counter() - start
-                cache.crop(COST_PREFIX)
+                cache.crop(cached)
                 best = min(best, elapsed) if attempt else best
             floor = points[n] = max(best, floor)  # more tokens never cost less: what looks so is timing noise
         return cls(points)

@@ -65,6 +65,17 @@ def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_pr
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1
 
 
+def test_the_step_cost_is_timed_within_a_short_context():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=40)
+    target = sg.load_target(LlamaForCausalLM(config).eval())
+    cost = StepCost.measure(target)  # 40 positions: 20 cached, then N up to 20
+    assert max(cost.points) == 16 and all(b >= a for a, b in zip(cost._ys, cost._ys[1:]))
+
+
 def test_selection_keeps_every_node_when_verifying_is_free_and_none_when_each_token_costs_a_forward():
     chain = tree_of([-1, 0, 1], logp=[0.0, -0.1, -0.3])
     d = Drafter()
