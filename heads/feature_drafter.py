@@ -3,8 +3,9 @@
 Pair i joins a feature of committed position i with the next token t_{i+1}.
 Each generation's `FeatureDraftState` keeps a draft KV cache of the pairs of
 its committed tokens: the pairs committed since the last round (at the
-first, the prompt's) run with the root's pair at the start of the next. Then each tree level runs one pair per frontier node (its
-parent's predicted feature, its own token) with tree attention. Between
+first, the prompt's) run with the root's pair at the start of the next.
+Then each tree level runs one pair per frontier node (its parent's
+predicted feature, its own token) with tree attention. Between
 rounds the cache holds only pairs of committed tokens and true features;
 the root's pair is run again next round, so proposing twice without a
 commit stays correct.

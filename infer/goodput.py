@@ -319,9 +319,10 @@ class GoodputController:
     def plan(self, rows: Sequence[tuple[int, Any, int]], batch: int) -> dict[int, int]:
         """How deep each adaptive row drafts: key -> depth (0: not at all).
 
-        A row drafts the depth that maximises its expected tokens less what the drafting and the extra forward
-        tokens cost at the step's goodput without speculation. A drafter whose cost was never measured drafts one
-        level: enough to measure it.
+        A row drafts the depth that maximises its expected tokens less what the drafting, the extra forward
+        tokens and the scheduler's work on a tree cost at the step's goodput without speculation. Now and then a
+        row probes one level deeper (listed in ``probes``: verified whole; see `PROBE_SHARE`). A drafter whose
+        cost was never measured drafts one level: enough to measure it.
 
         Args:
             rows: (key, drafter, the deepest it may draft) of each adaptive row.

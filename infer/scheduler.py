@@ -306,8 +306,7 @@ class Scheduler:
         self.counters.adaptive_selected = None
         start, self._forward_seconds = time.perf_counter(), 0.0
         if self.controller is not None:
-            drafted = [isinstance(r.tree, Adaptive) and trees[r.handle].num_nodes > 1 for r in live]
-            if any(drafted):  # else nothing to cut
+            if any(isinstance(r.tree, Adaptive) and trees[r.handle].num_nodes > 1 for r in live):  # else nothing to cut
                 trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle],
                                                           isinstance(r.tree, Adaptive)) for r in live])
                 self.counters.adaptive_selected = self.controller.selected_last
