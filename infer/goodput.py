@@ -251,12 +251,12 @@ class RowState:
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
 
-def update_reach(reach: list[float], accepted: int, verified_depth: int, prior: DrafterStats | None = None) -> None:
+def update_reach(reach: list[float], accepted: int, verified_depth: int) -> None:
     """EMA of 1{the accepted path reached d} for every depth d the step verified."""
     for depth in range(1, verified_depth + 1):
         hit = float(accepted >= depth)
         if depth > len(reach):
-            reach.append(prior.reach_at(depth) if prior is not None else REACH_PRIOR**depth)
+            reach.append(REACH_PRIOR**depth)
         reach[depth - 1] = (1 - EMA) * reach[depth - 1] + EMA * hit
 
 
@@ -282,10 +282,10 @@ class GoodputController:
         self.cost: StepCost | None = None
         self.rows: dict[int, RowState] = {}
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
-        # id(drafter) -> ((batch, T's scale, per drafted row, stats version), fixed, per level, reach prior):
-        # `plan`'s prices.
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
+        # id(drafter) -> ((batch, T's scale, per drafted row, stats version), fixed, per level, reach prior):
+        # `plan`'s prices.
         self.priced: dict[int, tuple[tuple[int, float, float, int], float, float, list[float]]] = {}
 
     def step_cost(self) -> StepCost:
@@ -334,7 +334,7 @@ class GoodputController:
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
-            if priced is False:
+            if priced is False or (priced is not None and len(priced[3]) < max_depth):
                 priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost)
             if priced is None:
                 depths[key] = min(1, max_depth)
@@ -344,9 +344,6 @@ class GoodputController:
                 best = row.plan[2]
             else:
                 _, fixed, per_level, prior = priced
-                if len(prior) < max_depth:
-                    priced = prices[id(drafter)] = self._prices(drafter, batch, max_depth, cost, again=True)
-                    _, fixed, per_level, prior = priced
                 reach = row.reach
                 best, best_net, net = 0, 0.0, -fixed
                 for d in range(max_depth):
@@ -364,7 +361,7 @@ class GoodputController:
                     self.probes.add(key)
         return depths
 
-    def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost, again: bool = False) -> tuple | None:
+    def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:
         """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
         is unmeasured. Drafting and verifying d levels costs fixed + per_level * d tokens of plain goodput; its
         reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, T's scale
@@ -374,7 +371,7 @@ class GoodputController:
             return None
         inputs = (batch, cost.scale, cost.per_drafted, stats.version)
         priced = self.priced.get(id(drafter))
-        if priced is None or priced[0] != inputs or again:
+        if priced is None or priced[0] != inputs or len(priced[3]) < max_depth:
             base = cost(batch)
             goodput = batch / base  # committed tokens per second of plain decoding at this batch
             marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
