@@ -16,7 +16,8 @@ _EXPORTS = {
     **dict.fromkeys(('Drafter', 'TrainBatch', 'TrainableHead'), "specgraft.heads.base"),
     **dict.fromkeys(('SIDECAR', 'check_target', 'read_head_dir', 'save_head'), "specgraft.heads.checkpoint"),
     "Composite": "specgraft.heads.composite",
-    **dict.fromkeys(('DistillConfig', 'Eagle3Config', 'EagleConfig', 'HeadConfig', 'MedusaConfig'), "specgraft.heads.configs"),
+    **dict.fromkeys(('DFlashConfig', 'DistillConfig', 'Eagle3Config', 'EagleConfig', 'HeadConfig', 'MedusaConfig'), "specgraft.heads.configs"),
+    **dict.fromkeys(('DFlashDrafter', 'DFlashHead'), "specgraft.heads.dflash"),
     "DistilledDraft": "specgraft.heads.distill",
     "DraftModel": "specgraft.heads.draft_model",
     **dict.fromkeys(('EagleDrafter', 'EagleHead'), "specgraft.heads.eagle"),
@@ -37,6 +38,9 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "Composite",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DFlashHead",
     "DistilledDraft",
     "DraftModel",
     "Drafter",

@@ -48,6 +48,25 @@ class Eagle3Config:
 
 
 @dataclass(config=STRICT)
+class DFlashConfig:
+    """DFlash block drafter: non-causal decoder layers over a block of mask tokens, the target's fused states as context.
+
+    ``target_layer_ids`` and ``mask_token_id`` follow the official ``dflash_config``: layer ids are 0-based
+    decoder-layer *outputs* (HF ``hidden_states[id + 1]``); None picks the official defaults when the head is built
+    and the checkpoint records what was picked.
+    """
+
+    type: Literal["dflash"] = "dflash"
+    num_layers: int = Field(1, ge=1)  # draft decoder layers (z-lab's published heads: 5; SpecForge's default: 1)
+    block_size: int = Field(16, ge=2)  # the last committed token and block_size - 1 mask tokens: drafts that many
+    target_layer_ids: list[int] | None = None  # None: num_layers ids spread from 1 to N - 3 (one layer: N // 2)
+    mask_token_id: int | None = Field(None, ge=0)  # None: the tokenizer's mask, else an unused row, else unk / pad
+    num_anchors: int = Field(512, ge=1)  # blocks trained per sequence, at random anchors (SpecForge's default)
+    loss_decay_gamma: float | None = Field(7.0, gt=0.0)  # block slot k weighs exp(-(k - 1) / gamma); None: all 1
+    labels: Literal["tokens", "target"] = "tokens"  # cross-entropy against the data's tokens, or the target's distribution
+
+
+@dataclass(config=STRICT)
 class DistillConfig:
     """An independent small causal LM of the target's architecture, trained by KL to the target's distribution."""
 
@@ -60,4 +79,4 @@ class DistillConfig:
     temperature: float = Field(1.0, gt=0.0)  # of the KL targets
 
 
-HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, Eagle3Config, DistillConfig], Field(discriminator="type")]
+HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, Eagle3Config, DFlashConfig, DistillConfig], Field(discriminator="type")]

@@ -10,7 +10,8 @@ from torch import nn
 from specgraft.heads.base import Drafter
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir
 from specgraft.heads.composite import Composite
-from specgraft.heads.configs import DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.configs import DFlashConfig, DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.dflash import DFlashDrafter, DFlashHead
 from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
 from specgraft.heads.eagle import EagleHead
@@ -25,7 +26,7 @@ from specgraft.specs import (
 )
 
 
-def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig, target: Target) -> nn.Module:
+def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DFlashConfig | DistillConfig, target: Target) -> nn.Module:
     """A fresh trainable head for ``target`` (the builder receives the frozen target; it loads nothing)."""
     if isinstance(config, MedusaConfig):
         return MedusaHeads.for_target(config, target)
@@ -33,6 +34,8 @@ def build_head(config: MedusaConfig | EagleConfig | Eagle3Config | DistillConfig
         return EagleHead(config, target)
     if isinstance(config, Eagle3Config):
         return Eagle3Head(config, target)
+    if isinstance(config, DFlashConfig):
+        return DFlashHead(config, target)
     if isinstance(config, DistillConfig):
         return DistilledDraft(config, target)
     raise TypeError(f"unknown head config {type(config).__name__}")
@@ -55,13 +58,15 @@ def as_drafter(head: nn.Module, target: Target) -> Drafter:
         return MedusaDrafter(head, target)
     if isinstance(head, (EagleHead, Eagle3Head)):
         return FeatureDrafter(head, target)
+    if isinstance(head, DFlashHead):
+        return DFlashDrafter(head, target)
     if isinstance(head, DistilledDraft):
         return DraftModel(Target(head.model, target.tokenizer, "distilled draft"), target)
     raise TypeError(f"{type(head).__name__} is not a drafter")
 
 
 def load_drafter(path: str | Path, target: Target) -> Drafter:
-    """Any drafter directory: a specgraft head (Medusa, EAGLE, EAGLE-3), a distilled draft model,
+    """Any drafter directory: a specgraft head (Medusa, EAGLE, EAGLE-3, DFlash), a distilled draft model,
     or any other transformers causal LM sharing the target's vocabulary (an independent draft)."""
     path = Path(path).expanduser()
     if not path.is_dir():

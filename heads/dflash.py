@@ -1,0 +1,414 @@
+"""DFlash: a block drafter that drafts ``block_size - 1`` tokens in one forward (z-lab, arXiv 2602.06036).
+
+The context is the target's own view of the committed tokens: its hidden
+states at ``target_layer_ids`` (layer outputs, HF ``hidden_states[id + 1]``),
+concatenated, fused by ``fc`` and normed by ``hidden_norm``. Every decoder
+layer projects that same context feature with its own ``k_proj`` / ``v_proj``
+(k_norm, RoPE at the token's position); the context never runs through the
+layers itself, so its keys and values are computed once per committed token
+and kept in the draft cache across steps.
+
+The block is the last committed token (the one the target has not run yet)
+followed by ``block_size - 1`` mask tokens, embedded with the target's own
+embedding at the next positions. It runs through Qwen3-style decoder layers
+(q_norm / k_norm) whose queries see all of the context and the whole block,
+itself included: no causal mask inside the block. The final norm and the
+target's own lm_head turn block slot k into the distribution of the token k
+places after the root; slot 0 (the root) predicts nothing. The block's keys
+and values are never cached.
+
+So a draft costs one forward whatever its depth, and depth d's distribution
+does not depend on the tokens drafted above it: a tree from each slot's top-k
+(or samples) is exact under any verification, as Medusa's is.
+
+Training (`DFlashHead.loss`) samples anchors along each sequence; the block
+after an anchor sees the context strictly before it (the anchor's own state
+is what the target has not computed yet at inference) and its own block, no
+other. Slot k's cross-entropy is weighted exp(-(k - 1) / gamma).
+
+Weight names are the official checkpoint's: ``fc``, ``hidden_norm``,
+``layers.N.*``, ``norm``; the target's embedding and lm_head are used, frozen,
+and never saved.
+
+Shape legend: B batch, S context positions, Q block slots (all blocks of a sequence while training), A anchors,
+K block size, H hidden, Hq / Hkv heads, D head_dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specgraft.heads.base import DraftRequest, TrainBatch
+from specgraft.heads.configs import DFlashConfig
+from specgraft.heads.eagle import layer_config
+from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target, rms_norm
+from specgraft.tree import Sampling, Tree, TreePolicy
+
+# Commits a state keeps as views of their steps' hidden states before joining them: a row that does not draft for
+# many steps pins at most this many forward outputs.
+PENDING_COMMITS = 32
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The official choice: one layer, the middle one; else ``num_draft_layers`` ids spread from 1 to N - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def resolve_mask_token_id(target: Target) -> int:
+    """An input id for the block's mask slots that the target never writes: the tokenizer's mask token, else the
+    first embedding row past the tokenizer, else its unknown or padding token.
+
+    Raises:
+        ValueError: none of these exists (set ``head.mask_token_id``).
+    """
+    tok = target.tokenizer
+    if tok is not None:
+        if getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        if len(tok) < target.vocab_size:
+            return len(tok)
+        for name in ("unk_token_id", "pad_token_id"):
+            if getattr(tok, name, None) is not None:
+                return int(getattr(tok, name))
+    raise ValueError(
+        f"target {target.name!r} has no mask, unused, unknown or padding token for DFlash's mask slots: "
+        "set head.mask_token_id to an id the target never generates"
+    )
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention weights (q_norm / k_norm over each head); the maths lives in `DFlashHead`."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.q_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DFlashHead(nn.Module):
+    """fc + hidden_norm over the fused target layers, non-causal decoder layers over the block, norm, the target's lm_head.
+
+    One functional forward (`context_kv`, `run_block`) serves training and drafting, so the two cannot drift apart.
+    """
+
+    def __init__(self, config: DFlashConfig, target: Target) -> None:
+        super().__init__()
+        n = target.num_layers
+        ids = list(config.target_layer_ids) if config.target_layer_ids else default_target_layer_ids(n, config.num_layers)
+        # id n - 1 would be HF's final-norm output, which vLLM and SGLang do not capture.
+        bad = [i for i in ids if not 0 <= i < n - 1]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids {ids} must be distinct decoder-layer ids in [0, {n - 2}] of this {n}-layer target")
+        mask = config.mask_token_id if config.mask_token_id is not None else resolve_mask_token_id(target)
+        if mask >= target.vocab_size:
+            raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {target.vocab_size}")
+        self.config = replace(config, target_layer_ids=ids, mask_token_id=mask)  # the checkpoint records both
+        self.hidden_layers = tuple(i + 1 for i in ids)  # HF hidden_states indices
+        llama = layer_config(target.config, config.num_layers)
+        hidden = target.config.hidden_size
+        self.num_heads, self.num_kv, self.head_dim = llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim
+        self.eps = llama.rms_norm_eps
+        self.fc = nn.Linear(len(ids) * hidden, hidden, bias=False)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=self.eps)
+        self.layers = nn.ModuleList(DFlashLayer(llama) for _ in range(config.num_layers))
+        self.norm = LlamaRMSNorm(hidden, eps=self.eps)
+        self.rotary = LlamaRotaryEmbedding(llama)
+        self.layer_config = llama
+        # The target's frozen embedding and lm_head: shared, not trained, not saved.
+        self.register_buffer("embed_weight", target.model.get_input_embeddings().weight.detach(), persistent=False)
+        head = target.model.get_output_embeddings()
+        self.register_buffer("lm_head_weight", head.weight.detach(), persistent=False)
+        bias = getattr(head, "bias", None)
+        self.register_buffer("lm_head_bias", None if bias is None else bias.detach(), persistent=False)
+        self.to(target.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # -- the shared maths -------------------------------------------------------------------------
+    def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target states at the taps -> (.., H) context feature: hidden_norm(fc(concatenation in tap order))."""
+        dtype = self.fc.weight.dtype
+        return self.hidden_norm(self.fc(torch.cat([hidden[i].to(dtype) for i in self.hidden_layers], dim=-1)))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) positions -> cos, sin (B, T, D) from the target's rope settings."""
+        return self.rotary(x, positions)
+
+    def context_kv(self, layer: int, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys and values (B, Hkv, S, D) of (B, S, H) context features, RoPE applied to keys."""
+        attn = self.layers[layer].self_attn
+        b, s, _ = context.shape
+        k = F.linear(context, attn.k_proj.weight).view(b, s, self.num_kv, self.head_dim)
+        v = F.linear(context, attn.v_proj.weight).view(b, s, self.num_kv, self.head_dim)
+        k = rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2)
+        return _rotate(k, cos, sin), v.transpose(1, 2)
+
+    def run_block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decoder layers over (B, Q, H) block embeddings -> (B, Q, H) outputs after the final norm.
+
+        Args:
+            cos, sin: (B, Q, D) at the block slots' positions.
+            context: per layer, the context's keys and values (B, Hkv, S, D), from `context_kv` or the draft cache.
+            mask: (B, 1, Q, S + Q) additive over [context ; block], or None: every query sees everything.
+        """
+        b, q_len, _ = x.shape
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
+            attn = layer.self_attn
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q = F.linear(h, attn.q_proj.weight).view(b, q_len, self.num_heads, self.head_dim)
+            k = F.linear(h, attn.k_proj.weight).view(b, q_len, self.num_kv, self.head_dim)
+            v = F.linear(h, attn.v_proj.weight).view(b, q_len, self.num_kv, self.head_dim)
+            q = _rotate(rms_norm(q, attn.q_norm.weight, self.eps).transpose(1, 2), cos, sin)
+            k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2), cos, sin)
+            keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, q_len, -1), attn.o_proj.weight)
+            x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
+        return rms_norm(x, self.norm.weight, self.eps)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(.., H) block outputs -> (.., V) logits through the target's lm_head."""
+        return F.linear(out, self.lm_head_weight.to(out.dtype), None if self.lm_head_bias is None else self.lm_head_bias.to(out.dtype))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
+
+    # -- drafting -----------------------------------------------------------------------------------
+    def new_cache(self, max_len: int) -> StaticKVCache:
+        w = self.fc.weight
+        return StaticKVCache(len(self.layers), self.num_kv, self.head_dim, max_len=max_len, dtype=w.dtype, device=w.device)
+
+    def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
+        w = self.fc.weight
+        return BatchedKVCache(len(self.layers), self.num_kv, self.head_dim, rows=rows, max_len=max_len, dtype=w.dtype, device=w.device)
+
+    # -- training -----------------------------------------------------------------------------------
+    def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Weighted cross-entropy of every block slot k >= 1 against the token k places after its anchor."""
+        ids, loss_mask = batch.input_ids, batch.loss_mask
+        b, s = ids.shape
+        k_size, device = self.block_size, ids.device
+        anchors, keep = sample_anchors(loss_mask, self.config.num_anchors)  # (B, A)
+        a = anchors.shape[1]
+        offsets = torch.arange(k_size, device=device)
+        slots = anchors[..., None] + offsets  # (B, A, K) the position of each block slot
+        block = torch.full((b, a, k_size), self.config.mask_token_id, dtype=torch.long, device=device)
+        block[..., 0] = ids.gather(1, anchors)
+        context = self.fuse({i: batch.hidden[i].detach() for i in self.hidden_layers})  # (B, S, H)
+        ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device)[None].expand(b, -1))
+        x = self.embed(block.view(b, a * k_size))  # (B, Q, H)
+        cos, sin = self.rope(x, slots.view(b, -1))
+        kv = [self.context_kv(i, context, ctx_cos, ctx_sin) for i in range(len(self.layers))]
+        out = self.run_block(x, cos, sin, kv, block_mask(anchors, keep, s, k_size, x.dtype)).view(b, a, k_size, -1)
+        logp = self.logits(out[:, :, 1:]).float().log_softmax(-1)  # (B, A, K-1, V): slot k predicts position anchor + k
+        at = slots[:, :, 1:].clamp(max=s - 1)  # (B, A, K-1)
+        inside = slots[:, :, 1:] < s
+        weight = keep[..., None] & inside
+        weight = weight.float() * loss_mask.float().gather(1, at.reshape(b, -1)).view_as(at)
+        depth_weight = torch.ones(k_size - 1, device=device)
+        if self.config.loss_decay_gamma is not None:
+            depth_weight = torch.exp(-torch.arange(k_size - 1, device=device, dtype=torch.float) / self.config.loss_decay_gamma)
+        labels = ids.gather(1, at.reshape(b, -1)).view_as(at)
+        if self.config.labels == "tokens":
+            ce = -logp.gather(-1, labels[..., None])[..., 0]
+        else:  # the target's distribution of that position: its logits one position earlier
+            target = batch.target_logits.gather(1, (at - 1).reshape(b, -1, 1).expand(-1, -1, logp.shape[-1]))
+            ce = -(target.float().softmax(-1).view_as(logp) * logp).sum(-1)
+        weighted = weight * depth_weight
+        loss = (weighted * ce).sum() / weighted.sum().clamp(min=1e-6)
+        metrics = {"loss": float(loss.detach())}
+        hit = (logp.argmax(-1) == labels).float() * weight
+        for k in range(k_size - 1):
+            metrics[f"slot{k + 1}_top1"] = float(hit[:, :, k].sum() / weight[:, :, k].sum().clamp(min=1.0))
+        return loss, metrics
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, heads, T, D) with (B, T, D) cos / sin (HF's rotate-half convention)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def sample_anchors(loss_mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``count`` anchors per sequence, uniformly without replacement among positions p whose next token is
+    trained (loss_mask[p] and loss_mask[p + 1]), ascending: (B, A) positions and (B, A) which are real (the rest pad)."""
+    b, s = loss_mask.shape
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    valid[:, :-1] = (loss_mask[:, :-1] > 0) & (loss_mask[:, 1:] > 0)
+    width = max(1, min(count, int(valid.sum(1).max())))
+    scores = torch.rand(b, s, device=loss_mask.device).masked_fill(~valid, 2.0)  # invalid positions sort last
+    picked = scores.argsort(1)[:, :width]
+    keep = valid.gather(1, picked)
+    anchors = torch.where(keep, picked, torch.zeros_like(picked))
+    order = torch.where(keep, anchors, s).argsort(1)  # real anchors ascending, padding last
+    return anchors.gather(1, order), keep.gather(1, order)
+
+
+def block_mask(anchors: torch.Tensor, keep: torch.Tensor, context: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, Q, S + Q) additive: block j's slots see context positions before its anchor and the whole of block j.
+
+    A padding block sees only itself (its loss weight is 0)."""
+    b, a = anchors.shape
+    device = anchors.device
+    sees_context = torch.arange(context, device=device) < torch.where(keep, anchors, 0)[..., None]  # (B, A, S)
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # (B, Q, S)
+    block_of = torch.arange(a * block_size, device=device) // block_size
+    same_block = (block_of[:, None] == block_of[None]).expand(b, -1, -1)  # (B, Q, Q)
+    visible = torch.cat([sees_context, same_block], dim=2)[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+class DFlashDrafter:
+    """The `BatchDrafter` of a DFlash head: every row's context catch-up and block in one forward a step."""
+
+    def __init__(self, head: DFlashHead, target: Target) -> None:
+        self.head = head  # not put in eval mode here: the trainer's evaluator may share the module
+        self.hidden_layers = head.hidden_layers
+        self.device = target.device
+        self.max_len = target.max_context + TREE_SLOTS
+
+    def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
+        return self.head.new_rows(rows, max_len)
+
+    @torch.inference_mode()
+    def start(
+        self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None
+    ) -> DFlashDraftState:
+        return DFlashDraftState(self, cache if cache is not None else self.head.new_cache(self.max_len), hidden)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
+        if rows is None and len(requests) != 1:
+            raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
+        logp = self.block_logp(requests, rows)
+        trees = []
+        for request, row_logp in zip(requests, logp):
+            depth = min(request.max_depth, row_logp.shape[0])
+
+            def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
+                return row_logp[tree.depth[frontier]]  # depth d's children come from slot d + 1
+
+            trees.append(request.policy.grow(step, request.root_token, max_depth=depth, device=self.device, sampling=request.sampling))
+        return trees
+
+    @torch.inference_mode()
+    def block_logp(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> torch.Tensor:
+        """(B, K - 1, V) draft log-probs of depths 1..K-1 for every request: each row's context catch-up, then
+        every row's block in one forward."""
+        head = self.head
+        states = [r.state for r in requests]
+        self._catch_up(states)
+        lengths = [len(s.cache) for s in states]  # context positions: the root sits at position `length`
+        k_size, device = head.block_size, self.device
+        blocks = torch.full((len(states), k_size), head.config.mask_token_id, dtype=torch.long, device=device)
+        blocks[:, 0] = torch.tensor([r.root_token for r in requests], device=device)
+        x = head.embed(blocks)  # (B, K, H)
+        cos, sin = head.rope(x, torch.tensor(lengths, device=device)[:, None] + torch.arange(k_size, device=device))
+        width = max(lengths)
+        context = [self._context(states, requests, rows, layer, width) for layer in range(len(head.layers))]
+        mask = None
+        if min(lengths) != width:  # padded: a row sees its own context positions and the whole block
+            seen = torch.arange(width + k_size, device=device) < torch.tensor(lengths, device=device)[:, None]
+            seen[:, width:] = True
+            mask = torch.zeros(seen.shape, dtype=x.dtype, device=device).masked_fill(~seen, torch.finfo(x.dtype).min)
+            mask = mask[:, None, None]  # (B, 1, 1, W + K)
+        out = head.run_block(x, cos, sin, context, mask)
+        for state in states:
+            state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward
+        return head.logits(out[:, 1:]).float().log_softmax(-1)  # slot k drafts depth k
+
+    def _catch_up(self, states: list[DFlashDraftState]) -> None:
+        """Project the committed states no cache holds yet into every layer's context keys and values."""
+        waiting = [(s, s.take_pending()) for s in states]
+        waiting = [(s, h) for s, h in waiting if h is not None]
+        if not waiting:
+            return
+        head = self.head
+        joined = {i: torch.cat([h[i] for _, h in waiting]).to(self.device) for i in self.hidden_layers}
+        context = head.fuse(joined)[None]  # (1, N, H): every row's new positions, concatenated
+        sizes = [h[self.hidden_layers[0]].shape[0] for _, h in waiting]
+        positions = torch.cat([torch.arange(len(s.cache), len(s.cache) + n, device=self.device) for (s, _), n in zip(waiting, sizes)])
+        cos, sin = head.rope(context, positions[None])
+        starts = [s.cache.extend(1, n) for (s, _), n in zip(waiting, sizes)]
+        for layer in range(len(head.layers)):
+            keys, values = head.context_kv(layer, context, cos, sin)  # (1, Hkv, N, D)
+            offset = 0
+            for (state, _), n, start in zip(waiting, sizes, starts):
+                state.cache.update(layer, start, keys[:, :, offset : offset + n], values[:, :, offset : offset + n])
+                offset += n
+
+    @staticmethod
+    def _context(states, requests, rows: BatchedKVCache | None, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cached context keys and values of every request's row, (B, Hkv, W, D), padded to W."""
+        if rows is None:
+            return states[0].cache.layer_kv(layer)
+        index = [r.row for r in requests]
+        if index == list(range(index[0], index[0] + len(index))):  # consecutive rows: views, no copy
+            return rows.kv[layer, 0, index[0] : index[-1] + 1, :, :width], rows.kv[layer, 1, index[0] : index[-1] + 1, :, :width]
+        index = torch.tensor(index, device=rows.kv.device)
+        return rows.kv[layer, 0, :, :, :width].index_select(0, index), rows.kv[layer, 1, :, :, :width].index_select(0, index)
+
+
+class DFlashDraftState:
+    """One generation's DFlash state: its draft cache of context keys and values, and committed states not in it yet."""
+
+    def __init__(self, drafter: DFlashDrafter, cache: StaticKVCache, hidden: dict[int, torch.Tensor]) -> None:
+        self.drafter = drafter
+        self.cache = cache  # context position j in slot j
+        self.peak = 0
+        # The prompt's states wait, like any commit, for the next draft: a row never let draft never projects them.
+        self.pending: list[dict[int, torch.Tensor]] = [{i: hidden[i] for i in drafter.hidden_layers}]
+
+    def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
+        self.pending.append({i: hidden[i] for i in self.drafter.hidden_layers})
+        if len(self.pending) >= PENDING_COMMITS:  # views keep their steps' outputs alive: join them into one
+            self.pending = [self.take_pending()]
+
+    def take_pending(self) -> dict[int, torch.Tensor] | None:
+        """The committed states not yet in the cache, joined (layer -> (n, H)), and none left; None when none."""
+        if not self.pending:
+            return None
+        joined = {i: torch.cat([h[i] for h in self.pending]) for i in self.drafter.hidden_layers}
+        self.pending = []
+        return joined
+
+    def cache_tokens(self) -> int:
+        return self.peak
+
+    def propose(self, root_token: int, policy: TreePolicy, max_depth: int, sampling: Sampling | None = None) -> Tree:
+        if max_depth < 1:
+            return Tree.root_only(root_token, self.drafter.device)
+        return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampling)])[0]
