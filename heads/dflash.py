@@ -165,8 +165,8 @@ class DFlashHead(nn.Module):
         b, s, _ = context.shape
         k = F.linear(context, attn.k_proj.weight).view(b, s, self.num_kv, self.head_dim)
         v = F.linear(context, attn.v_proj.weight).view(b, s, self.num_kv, self.head_dim)
-        k = rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2)
-        return _rotate(k, cos, sin), v.transpose(1, 2)
+        k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
     def run_block(
         self,
@@ -174,27 +174,46 @@ class DFlashHead(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor | None,
+        sees: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The decoder layers over (B, Q, H) block embeddings -> (B, Q, H) outputs after the final norm.
+        """The decoder layers over (B, A, K, H) blocks' embeddings -> (B, A, K, H) outputs after the final norm.
+
+        Each block attends to the context positions ``sees`` allows and to all of its own slots, never to
+        another block: the attention is written out per block (scores over S + K keys, not S + A K), so a
+        training step over every anchor of a sequence stays linear in the anchors.
 
         Args:
-            cos, sin: (B, Q, D) at the block slots' positions.
+            cos, sin: (B, A, K, D) at the block slots' positions.
             context: per layer, the context's keys and values (B, Hkv, S, D), from `context_kv` or the draft cache.
-            mask: (B, 1, Q, S + Q) additive over [context ; block], or None: every query sees everything.
+            sees: (B, A, S) bool, the context positions each block sees; None: all of them.
         """
-        b, q_len, _ = x.shape
+        b, a, k_size, _ = x.shape
+        groups = self.num_heads // self.num_kv
+        bias = None if sees is None else torch.zeros(sees.shape, dtype=x.dtype, device=x.device).masked_fill(
+            ~sees, torch.finfo(x.dtype).min)[:, None, None, :, None]  # (B, 1, 1, A, 1, S)
+        cos, sin = cos.reshape(b, a * k_size, -1), sin.reshape(b, a * k_size, -1)
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             attn = layer.self_attn
-            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q = F.linear(h, attn.q_proj.weight).view(b, q_len, self.num_heads, self.head_dim)
-            k = F.linear(h, attn.k_proj.weight).view(b, q_len, self.num_kv, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight).view(b, q_len, self.num_kv, self.head_dim)
-            q = _rotate(rms_norm(q, attn.q_norm.weight, self.eps).transpose(1, 2), cos, sin)
-            k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2), cos, sin)
-            keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv)
-            x = x + F.linear(out.transpose(1, 2).reshape(b, q_len, -1), attn.o_proj.weight)
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps).view(b, a * k_size, -1)
+            q = F.linear(h, attn.q_proj.weight).view(b, a * k_size, self.num_heads, self.head_dim)
+            k = F.linear(h, attn.k_proj.weight).view(b, a * k_size, self.num_kv, self.head_dim)
+            v = F.linear(h, attn.v_proj.weight).view(b, a, k_size, self.num_kv, self.head_dim)
+            q = _rotate(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
+            k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
+            # Query head n * G + g reads key/value head n (grouped-query attention, as HF repeats them).
+            q = q.view(b, a, k_size, self.num_kv, groups, self.head_dim).permute(0, 3, 4, 1, 2, 5)  # (B, Hkv, G, A, K, D)
+            k = k.view(b, a, k_size, self.num_kv, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, Hkv, A, K, D)
+            v = v.permute(0, 3, 1, 2, 4)
+            scale = self.head_dim**-0.5
+            to_context = torch.einsum("bngakd,bnsd->bngaks", q, ctx_k) * scale
+            if bias is not None:
+                to_context = to_context + bias
+            to_block = torch.einsum("bngakd,bnajd->bngakj", q, k) * scale
+            p = torch.cat([to_context, to_block], dim=-1).float().softmax(-1).to(q.dtype)
+            s = ctx_k.shape[2]
+            out = torch.einsum("bngaks,bnsd->bngakd", p[..., :s], ctx_v) + torch.einsum("bngakj,bnajd->bngakd", p[..., s:], v)
+            out = out.permute(0, 3, 4, 1, 2, 5).reshape(b, a, k_size, -1)  # (B, A, K, Hq * D)
+            x = x + F.linear(out, attn.o_proj.weight)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         return rms_norm(x, self.norm.weight, self.eps)
 
@@ -228,10 +247,10 @@ class DFlashHead(nn.Module):
         block[..., 0] = ids.gather(1, anchors)
         context = self.fuse({i: batch.hidden[i].detach() for i in self.hidden_layers})  # (B, S, H)
         ctx_cos, ctx_sin = self.rope(context, torch.arange(s, device=device)[None].expand(b, -1))
-        x = self.embed(block.view(b, a * k_size))  # (B, Q, H)
+        x = self.embed(block)  # (B, A, K, H)
         cos, sin = self.rope(x, slots.view(b, -1))
         kv = [self.context_kv(i, context, ctx_cos, ctx_sin) for i in range(len(self.layers))]
-        out = self.run_block(x, cos, sin, kv, block_mask(anchors, keep, s, k_size, x.dtype)).view(b, a, k_size, -1)
+        out = self.run_block(x, cos.view(b, a, k_size, -1), sin.view(b, a, k_size, -1), kv, context_visibility(anchors, keep, s))
         logp = self.logits(out[:, :, 1:]).float().log_softmax(-1)  # (B, A, K-1, V): slot k predicts position anchor + k
         at = slots[:, :, 1:].clamp(max=s - 1)  # (B, A, K-1)
         inside = slots[:, :, 1:] < s
@@ -256,8 +275,8 @@ class DFlashHead(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, heads, T, D) with (B, T, D) cos / sin (HF's rotate-half convention)."""
-    cos, sin = cos[:, None], sin[:, None]
+    """RoPE on (B, T, heads, D) with (B, T, D) cos / sin (HF's rotate-half convention)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
@@ -277,18 +296,9 @@ def sample_anchors(loss_mask: torch.Tensor, count: int) -> tuple[torch.Tensor, t
     return anchors.gather(1, order), keep.gather(1, order)
 
 
-def block_mask(anchors: torch.Tensor, keep: torch.Tensor, context: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, Q, S + Q) additive: block j's slots see context positions before its anchor and the whole of block j.
-
-    A padding block sees only itself (its loss weight is 0)."""
-    b, a = anchors.shape
-    device = anchors.device
-    sees_context = torch.arange(context, device=device) < torch.where(keep, anchors, 0)[..., None]  # (B, A, S)
-    sees_context = sees_context.repeat_interleave(block_size, dim=1)  # (B, Q, S)
-    block_of = torch.arange(a * block_size, device=device) // block_size
-    same_block = (block_of[:, None] == block_of[None]).expand(b, -1, -1)  # (B, Q, Q)
-    visible = torch.cat([sees_context, same_block], dim=2)[:, None]
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+def context_visibility(anchors: torch.Tensor, keep: torch.Tensor, context: int) -> torch.Tensor:
+    """(B, A, S) bool: the block at an anchor sees the context positions before it (a padding block: none)."""
+    return (torch.arange(context, device=anchors.device) < anchors[..., None]) & keep[..., None]
 
 
 class DFlashDrafter:
@@ -335,17 +345,15 @@ class DFlashDrafter:
         k_size, device = head.block_size, self.device
         blocks = torch.full((len(states), k_size), head.config.mask_token_id, dtype=torch.long, device=device)
         blocks[:, 0] = torch.tensor([r.root_token for r in requests], device=device)
-        x = head.embed(blocks)  # (B, K, H)
-        cos, sin = head.rope(x, torch.tensor(lengths, device=device)[:, None] + torch.arange(k_size, device=device))
+        x = head.embed(blocks)[:, None]  # (B, 1, K, H): one block a row
+        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(k_size, device=device)
+        cos, sin = head.rope(x[:, 0], positions)
         width = max(lengths)
         context = [self._context(states, requests, rows, layer, width) for layer in range(len(head.layers))]
-        mask = None
-        if min(lengths) != width:  # padded: a row sees its own context positions and the whole block
-            seen = torch.arange(width + k_size, device=device) < torch.tensor(lengths, device=device)[:, None]
-            seen[:, width:] = True
-            mask = torch.zeros(seen.shape, dtype=x.dtype, device=device).masked_fill(~seen, torch.finfo(x.dtype).min)
-            mask = mask[:, None, None]  # (B, 1, 1, W + K)
-        out = head.run_block(x, cos, sin, context, mask)
+        sees = None
+        if min(lengths) != width:  # padded: a row sees its own context positions
+            sees = (torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None])[:, None]
+        out = head.run_block(x, cos[:, None], sin[:, None], context, sees)[:, 0]  # (B, K, H)
         for state in states:
             state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward
         return head.logits(out[:, 1:]).float().log_softmax(-1)  # slot k drafts depth k

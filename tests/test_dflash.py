@@ -9,7 +9,7 @@ import specgraft as sg
 from specgraft.heads import DFlashDrafter, as_drafter, build_head, load_drafter, load_head, save_head
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.configs import DFlashConfig
-from specgraft.heads.dflash import block_mask, default_target_layer_ids, sample_anchors
+from specgraft.heads.dflash import context_visibility, default_target_layer_ids, sample_anchors
 from conftest import tiny_causal_lm
 
 NEW_TOKENS = 64
@@ -56,14 +56,32 @@ def test_anchors_are_trained_positions_and_blocks_see_only_their_past(target):
     assert anchors.shape == (2, 4)  # row 0 has 4 valid anchors (2..5), row 1 two (0, 1)
     assert anchors[0].tolist() == [2, 3, 4, 5] and keep[0].all()
     assert anchors[1, :2].tolist() == [0, 1] and keep[1].tolist() == [True, True, False, False]
-    mask = block_mask(anchors, keep, context=8, block_size=3, dtype=torch.float32)[:, 0] == 0  # (B, Q, S + Q) visible
-    assert mask.shape == (2, 12, 20)
-    # Block 1 of row 0 (anchor 3): context positions 0..2 only, and its own three slots.
-    for slot in range(3, 6):
-        assert mask[0, slot, :8].nonzero().flatten().tolist() == [0, 1, 2]
-        assert mask[0, slot, 8:].nonzero().flatten().tolist() == [3, 4, 5]
-    # A padding block sees only itself.
-    assert not mask[1, 9, :8].any() and mask[1, 9, 8:].nonzero().flatten().tolist() == [9, 10, 11]
+    sees = context_visibility(anchors, keep, context=8)  # (B, A, S)
+    assert sees[0, 1].nonzero().flatten().tolist() == [0, 1, 2]  # the block at anchor 3 sees positions 0..2
+    assert sees[0, 0].nonzero().flatten().tolist() == [0, 1]
+    assert not sees[1, 2:].any()  # padding blocks see no context
+
+
+def test_blocks_never_see_each_other(target):
+    """A block's output depends on its own slots and visible context only: changing another block changes nothing."""
+    head = random_head(target, block_size=3)
+    s = 6
+    context = torch.randn(1, s, target.config.hidden_size)
+    cos_c, sin_c = head.rope(context, torch.arange(s)[None])
+    kv = [head.context_kv(0, context, cos_c, sin_c)]
+    x = torch.randn(1, 2, 3, target.config.hidden_size)
+    positions = torch.tensor([[2, 3, 4, 4, 5, 6]])
+    cos, sin = head.rope(x, positions)
+    cos, sin = cos.view(1, 2, 3, -1), sin.view(1, 2, 3, -1)
+    sees = context_visibility(torch.tensor([[2, 4]]), torch.tensor([[True, True]]), s)
+    out = head.run_block(x, cos, sin, kv, sees)
+    x2, context2 = x.clone(), context.clone()
+    x2[0, 1] += 1.0  # the other block
+    context2[0, 2:] += 1.0  # context at or after the first anchor
+    kv2 = [head.context_kv(0, context2, cos_c, sin_c)]
+    out2 = head.run_block(x2, cos, sin, kv2, sees)
+    assert torch.allclose(out[0, 0], out2[0, 0], atol=1e-6)
+    assert not torch.allclose(out[0, 1], out2[0, 1], atol=1e-3)
 
 
 def test_loss_trains_every_slot(target):
@@ -89,12 +107,12 @@ def training_view(head, target, ids: torch.Tensor, anchor: int) -> torch.Tensor:
         s, k = ids.numel(), head.block_size
         cos, sin = head.rope(context, torch.arange(s)[None])
         kv = [head.context_kv(i, context, cos, sin) for i in range(len(head.layers))]
-        block = torch.full((1, k), head.config.mask_token_id)
-        block[0, 0] = ids[anchor]
+        block = torch.full((1, 1, k), head.config.mask_token_id)
+        block[0, 0, 0] = ids[anchor]
         x = head.embed(block)
-        bcos, bsin = head.rope(x, anchor + torch.arange(k)[None])
-        mask = block_mask(torch.tensor([[anchor]]), torch.tensor([[True]]), s, k, x.dtype)
-        return head.logits(head.run_block(x, bcos, bsin, kv, mask)[0, 1:]).log_softmax(-1)
+        bcos, bsin = head.rope(x[:, 0], anchor + torch.arange(k)[None])
+        sees = context_visibility(torch.tensor([[anchor]]), torch.tensor([[True]]), s)
+        return head.logits(head.run_block(x, bcos[:, None], bsin[:, None], kv, sees)[0, 0, 1:]).log_softmax(-1)
 
 
 class Capture:

@@ -19,6 +19,7 @@ import torch
 
 import specgraft as sg
 import specgraft.infer.scheduler as scheduler_module
+from specgraft.heads.dflash import DFlashDrafter, DFlashDraftState
 from specgraft.tree import Sampling
 from specgraft.tools.exactness import fit
 from specgraft.infer.verify import Acceptance, sample_accept
@@ -31,6 +32,27 @@ PROMPT = [0, 1, 2, 0, 1]  # repeats, so prompt lookup finds n-gram matches to dr
 
 TARGET = markov_target(VOCAB, seed=0)
 DRAFT = markov_target(VOCAB, seed=1)  # a different table: drafts are often rejected
+
+
+class BlockDraft(DFlashDrafter):
+    """DFlash's drafting without its network: one call gives every depth's distribution at once, from the root
+    token alone (a random table per block slot), never from the tokens drafted above it. The trees come from
+    `DFlashDrafter.propose_batch` itself."""
+
+    def __init__(self, block_size: int = 4, seed: int = 2) -> None:
+        self.hidden_layers, self.device = (), torch.device("cpu")
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(block_size - 1, VOCAB, VOCAB, generator=gen) * 1.5  # (slot, root, next)
+
+    def new_rows(self, rows: int, max_len: int) -> None:
+        return None
+
+    def start(self, prompt_ids, hidden, cache=None) -> DFlashDraftState:
+        return DFlashDraftState(self, cache, hidden)
+
+    def block_logp(self, requests, rows) -> torch.Tensor:
+        return torch.stack([self.table[:, r.root_token] for r in requests]).log_softmax(-1)  # (B, K - 1, V)
+
 
 DRAFTERS = {
     "draft-model sampled chain": lambda: (sg.DraftModel(DRAFT, TARGET), sg.Chain(3, draw="sample")),
@@ -47,6 +69,8 @@ DRAFTERS = {
         sg.StaticTree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], draw="sample-without-replacement"),
     ),
     "prompt lookup": lambda: (sg.PromptLookup(max_ngram=2, num_tokens=3), None),
+    "block drafter sampled chain": lambda: (BlockDraft(), sg.Chain(3, draw="sample")),
+    "block drafter top-k tree": lambda: (BlockDraft(), sg.StaticTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], draw="top-k")),
     # lookup's point masses where the history matches, the draft model's sampled chain elsewhere
     "composite: lookup then draft model": lambda: (
         sg.Composite(sg.PromptLookup(max_ngram=2, min_ngram=2, max_matches=1), sg.DraftModel(DRAFT, TARGET)),
@@ -88,6 +112,8 @@ DEFAULT_GRID = [
     ("draft-model sampled tree (SpecInfer)", 1.5, "no filter"),
     ("draft-model sampled tree without replacement (Sequoia)", 1.0, "top-k 3"),
     ("prompt lookup", 1.5, "top-p 0.8"),
+    ("block drafter sampled chain", 1.0, "top-k 3"),
+    ("block drafter top-k tree", 0.5, "no filter"),
     ("composite: lookup then draft model", 0.5, "no filter"),
 ]
 FULL_GRID = [(d, t, f) for d in DRAFTERS for t in TEMPERATURES for f in FILTERS]
