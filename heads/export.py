@@ -14,6 +14,7 @@ wrong config fields.
 | eagle3 | method "eagle3"              | EAGLE3               | EAGLE-3 layout         | -             |
 | eagle  | method "eagle", no fc bias   | EAGLE, fc bias always| EAGLE-1 layout         | -             |
 | medusa | method "medusa", vLLM <= 0.32| - (no Medusa)        | -                      | FasterDecoding|
+| dflash | method "dflash"              | DFLASH (same files)  | -                      | -             |
 
 EAGLE-3 taps: specgraft names HF ``hidden_states`` indices (the input of
 decoder layer i). vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` use
@@ -21,6 +22,12 @@ the same indices; SGLang's ``eagle_config.eagle_aux_hidden_state_layer_ids``
 name layer *outputs* (it captures id + 1). Both engines capture each layer
 once and concatenate in layer order, so taps must be distinct and fc's three
 input blocks are reordered to ascending taps.
+
+DFlash: ``dflash_config.target_layer_ids`` name layer outputs in specgraft,
+z-lab's code, vLLM and SGLang alike (each engine adds 1 itself), so the ids
+are written as they are. z-lab concatenates the captured layers in list order,
+the engines in layer order: the export writes them ascending and reorders
+fc's input blocks to match, which means the same to all three.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir, umask_mode
+from specgraft.heads.dflash import default_target_layer_ids
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.specs import EXPORT_FORMATS as FORMATS
@@ -45,6 +53,7 @@ SUPPORTED = {
     "eagle3": ("vllm", "sglang", "eagle"),
     "eagle": ("vllm", "sglang", "eagle"),
     "medusa": ("vllm", "medusa"),
+    "dflash": ("vllm", "sglang"),  # no official EAGLE or Medusa code runs a block drafter
 }
 ARCHITECTURES = {  # (head type, format) -> config "architectures"
     ("eagle3", "vllm"): ["LlamaForCausalLMEagle3"],  # vLLM registry alias of Eagle3LlamaForCausalLM
@@ -54,11 +63,19 @@ ARCHITECTURES = {  # (head type, format) -> config "architectures"
     ("eagle", "sglang"): ["LlamaForCausalLMEagle"],  # SGLang picks the draft class from this name
     ("eagle", "eagle"): ["LlamaForCausalLM"],
     ("medusa", "vllm"): ["MedusaModel"],
+    ("dflash", "vllm"): ["DFlashDraftModel"],  # vLLM maps it to DFlashQwen3ForCausalLM
+    ("dflash", "sglang"): ["DFlashDraftModel"],  # SGLang's EntryClass
 }
 MEDUSA_REPO_WEIGHTS = "medusa_lm_head.safetensors"
 # Config switches of EAGLE variants specgraft's heads do not implement; an export never sets them.
 UNSUPPORTED_VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias", "bias")
 MIDLAYER_NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")  # EAGLE-3's midlayer norms
+# dflash_config switches of DFlash variants specgraft's head does not implement (causal blocks, sliding windows,
+# attention sinks, the Domino projector): value -> whether it turns the variant on.
+DFLASH_VARIANTS = {
+    "causal": bool, "use_swa": bool, "attention_sink_bias": bool, "shift_label": bool, "pure_draft_prefix_len": bool,
+    "projector_type": lambda v: v is not None, "use_aux_hidden_state": lambda v: v is False,
+}
 
 
 def weights_file(head_type: str, fmt: str) -> str:
@@ -109,6 +126,14 @@ def expected_tensors(head_type: str, fmt: str, cfg: dict[str, Any]) -> dict[str,
         for i in range(cfg["num_hidden_layers"]):  # EAGLE's layer 0 has no input norm
             shapes |= llama_layer_tensors(f"layers.{i}", cfg, h, input_norm=i > 0)
         return shapes
+    if head_type == "dflash":
+        h, hd = cfg["hidden_size"], cfg["head_dim"]
+        shapes = {"fc.weight": (h, len(cfg["dflash_config"]["target_layer_ids"]) * h),
+                  "hidden_norm.weight": (h,), "norm.weight": (h,)}
+        for i in range(cfg["num_hidden_layers"]):  # Qwen3 layers: q_norm / k_norm over each head
+            shapes |= llama_layer_tensors(f"layers.{i}", cfg, h, input_norm=True)
+            shapes |= {f"layers.{i}.self_attn.{n}.weight": (hd,) for n in ("q_norm", "k_norm")}
+        return shapes
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     if fmt == "vllm":
         k, n = cfg["num_heads"], cfg["num_hidden_layers"]
@@ -125,6 +150,8 @@ def head_type_of(fmt: str, cfg: dict[str, Any]) -> str:
     """Which head an exported config describes, from the fields each format is recognised by."""
     if fmt == "medusa" or cfg.get("model_type") == "medusa":
         return "medusa"
+    if "dflash_config" in cfg or cfg.get("architectures") == ["DFlashDraftModel"]:
+        return "dflash"
     if cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
         return "eagle3"
     return "eagle"
@@ -156,6 +183,8 @@ def _config_problems(head_type: str, fmt: str, cfg: dict[str, Any], num_target_l
         if clashing:
             problems.append(f"config.json keys {clashing} would be renamed by vLLM's MedusaConfig")
         return problems
+    if head_type == "dflash":
+        return problems + _dflash_config_problems(cfg, num_target_layers)
     need("architectures", ARCHITECTURES[head_type, fmt])
     need("model_type", "llama")
     need("tie_word_embeddings", False)  # SGLang ties a tied draft's lm_head to its embedding
@@ -195,9 +224,50 @@ def _config_problems(head_type: str, fmt: str, cfg: dict[str, Any], num_target_l
     return problems
 
 
-def _tap_problems(field: str, ids, low: int, high: int | None) -> list[str]:
-    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
-        return [f"config.json {field} is {ids!r}, expected 3 layer ids"]
+def _dflash_config_problems(cfg: dict[str, Any], num_target_layers: int | None) -> list[str]:
+    """The fields z-lab's code, vLLM and SGLang read of a DFlash draft (the same for both engines)."""
+    problems = []
+    for key, value in (("architectures", ["DFlashDraftModel"]), ("model_type", "qwen3"), ("hidden_act", "silu"),
+                       ("attention_bias", False), ("tie_word_embeddings", False)):
+        if cfg.get(key) != value:
+            problems.append(f"config.json {key!r} is {cfg.get(key)!r}, expected {value!r}")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "max_position_embeddings", "rope_theta", "vocab_size", "num_hidden_layers"):
+        if key not in cfg:
+            problems.append(f"config.json lacks {key!r}")
+    dflash = cfg.get("dflash_config")
+    if not isinstance(dflash, dict):
+        return problems + ["config.json lacks 'dflash_config' (mask_token_id, target_layer_ids, block_size)"]
+    n = cfg.get("num_target_layers")  # SGLang warns if it differs from the running target's
+    if not isinstance(n, int):
+        problems.append(f"config.json 'num_target_layers' is {n!r}, expected the target's layer count")
+    elif num_target_layers is not None and n != num_target_layers:
+        problems.append(f"config.json 'num_target_layers' is {n}, the target has {num_target_layers}")
+    n = num_target_layers if num_target_layers is not None else n
+    mask, vocab = dflash.get("mask_token_id"), cfg.get("vocab_size")
+    if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab:
+        problems.append(f"config.json dflash_config.mask_token_id is {mask!r}, expected an id below vocab_size {vocab!r}")
+    # Layer outputs: id N - 1 is HF's final-norm output, which neither engine captures.
+    problems += _tap_problems("dflash_config.target_layer_ids", dflash.get("target_layer_ids"), 0,
+                              None if not isinstance(n, int) else n - 2, count=None)
+    size = dflash.get("block_size")
+    if not isinstance(size, int) or size < 2:
+        problems.append(f"config.json dflash_config.block_size is {size!r}, expected an int >= 2")
+    elif cfg.get("block_size") != size:  # z-lab reads the top-level field, SGLang dflash_config's
+        problems.append(f"config.json 'block_size' {cfg.get('block_size')!r} differs from dflash_config's {size}")
+    if cfg.get("layer_types") != ["full_attention"] * cfg.get("num_hidden_layers", 0):
+        problems.append(f"config.json 'layer_types' is {cfg.get('layer_types')!r}, expected 'full_attention' for "
+                        f"every layer (specgraft's DFlash has no sliding window)")
+    on = [k for k, is_on in DFLASH_VARIANTS.items() if k in dflash and is_on(dflash[k])]
+    if on:
+        problems.append(f"config.json dflash_config sets {on}: not how specgraft's dflash head computes")
+    return problems
+
+
+def _tap_problems(field: str, ids, low: int, high: int | None, count: int | None = 3) -> list[str]:
+    if (not isinstance(ids, list) or not ids or (count is not None and len(ids) != count)
+            or not all(isinstance(i, int) for i in ids)):
+        return [f"config.json {field} is {ids!r}, expected {count or 'a list of'} layer ids"]
     if ids != sorted(set(ids)):
         return [f"config.json {field} {ids} must be distinct and ascending (engines capture each layer once, in order)"]
     if ids[0] < low or (high is not None and ids[-1] > high):
@@ -221,9 +291,10 @@ def validate_export(out_dir: str | Path, fmt: str, num_target_layers: int | None
     """Raise ValueError listing everything in ``out_dir`` that the ``fmt`` loader would not take as intended.
 
     Checks: config.json fields the engine reads, one weights file, every
-    expected tensor present with its shape and dtype, no stray tensor, and
-    EAGLE-3's tapped layers and vocabulary maps. ``num_target_layers``
-    (default: from the config's ``specgraft_target``) bounds the tapped layers.
+    expected tensor present with its shape and dtype, no stray tensor,
+    EAGLE-3's tapped layers and vocabulary maps, and DFlash's ``dflash_config``.
+    ``num_target_layers`` (default: from the config's ``specgraft_target``)
+    bounds the tapped layers.
     """
     out = Path(out_dir)
     if fmt not in FORMATS:
@@ -369,6 +440,24 @@ def _eagle_export(head_cfg, signature, tensors, target_config, fmt) -> tuple[dic
     return cfg, out
 
 
+def _dflash_export(head_cfg, signature, tensors, target_config, fmt) -> tuple[dict, dict]:
+    n, h = signature["num_hidden_layers"], signature["hidden_size"]
+    ids = list(head_cfg.target_layer_ids or default_target_layer_ids(n, head_cfg.num_layers))
+    if head_cfg.mask_token_id is None:  # DFlashHead records the id it resolved; only a hand-written config lacks it
+        raise ValueError("the head config names no mask_token_id; set head.mask_token_id to the id it was trained with")
+    order = sorted(range(len(ids)), key=lambda i: ids[i])  # the engines concatenate captured layers in layer order
+    out = dict(tensors)
+    out["fc.weight"] = torch.cat([tensors["fc.weight"].split(h, dim=1)[i] for i in order], dim=1)
+    layers, size = head_cfg.num_layers, head_cfg.block_size
+    cfg = {"architectures": ARCHITECTURES["dflash", fmt], **draft_llama_fields(target_config, layers),
+           "model_type": "qwen3",  # DFlash's draft layers are Qwen3 layers (q_norm / k_norm)
+           "attention_bias": False, "layer_types": ["full_attention"] * layers, "use_sliding_window": False,
+           "sliding_window": None, "vocab_size": signature["vocab_size"], "num_target_layers": n,
+           "block_size": size,  # z-lab reads this one, SGLang dflash_config's first: both say the same
+           "dflash_config": {"mask_token_id": head_cfg.mask_token_id, "target_layer_ids": sorted(ids), "block_size": size}}
+    return cfg, out
+
+
 def _medusa_export(head_cfg, signature, tensors, fmt) -> tuple[dict, dict]:
     k, n = head_cfg.num_heads, head_cfg.num_layers
     h, v = signature["hidden_size"], signature["vocab_size"]
@@ -395,10 +484,11 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
     """Write the head in ``head_dir`` as a ``fmt`` checkpoint in ``out_dir`` (new or empty), validated, with a README.
 
     Args:
-        fmt: "vllm", "sglang", "eagle" (official EAGLE repository) or "medusa" (Medusa repository).
+        fmt: "vllm", "sglang", "eagle" (official EAGLE repository) or "medusa" (Medusa repository);
+            DFlash heads go to vllm or sglang, which read the same directory.
         target: the loaded target (its embedding fingerprint is checked), a path or hub id whose config
             is read, or None to read the config of the target named in the head's config. Only EAGLE
-            heads need it (their draft layers copy the target's attention and MLP sizes and RoPE).
+            and DFlash heads need it (their draft layers copy the target's attention and MLP sizes and RoPE).
 
     Raises:
         ValueError: a format this head cannot be served in, a head that the format cannot express
@@ -413,7 +503,9 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
                          f"draft model (vLLM method 'draft_model', SGLang STANDALONE); nothing to export")
     head_cfg, signature, tensors = read_head_dir(head_dir)
     if fmt not in SUPPORTED.get(head_cfg.type, ()):
-        why = " (SGLang has no Medusa drafter)" if (head_cfg.type, fmt) == ("medusa", "sglang") else ""
+        why = {("medusa", "sglang"): " (SGLang has no Medusa drafter)",
+               ("dflash", "eagle"): " (the official EAGLE code has no block drafter)",
+               ("dflash", "medusa"): " (the Medusa code has no block drafter)"}.get((head_cfg.type, fmt), "")
         raise ValueError(f"{head_cfg.type} heads cannot be exported --to {fmt}{why}; "
                          f"supported: {', '.join(SUPPORTED.get(head_cfg.type, ()))}")
     if out.exists() and any(out.iterdir()):
@@ -422,11 +514,13 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
         cfg, out_tensors = _medusa_export(head_cfg, signature, tensors, fmt)
     else:
         target_config = _target_config(target, signature, f"head {head_dir}")
-        build = _eagle3_export if head_cfg.type == "eagle3" else _eagle_export
+        build = {"eagle3": _eagle3_export, "eagle": _eagle_export, "dflash": _dflash_export}[head_cfg.type]
         cfg, out_tensors = build(head_cfg, signature, tensors, target_config, fmt)
     dtypes = {t.dtype for t in out_tensors.values() if t.is_floating_point()}
-    cfg |= {"torch_dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32",
-            "specgraft_target": signature}  # provenance; engines keep unknown config fields as attributes
+    dtype = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    cfg |= {"torch_dtype": dtype, "specgraft_target": signature}  # provenance; engines keep unknown fields as attributes
+    if head_cfg.type == "dflash":
+        cfg["dtype"] = dtype  # transformers 5's name, which the published DFlash configs use
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
@@ -453,10 +547,14 @@ def export_head(head_dir: str | Path, fmt: str, out_dir: str | Path, target: Tar
 
 def _serve_command(head_type: str, fmt: str, target: str, out: Path, cfg: dict[str, Any]) -> str:
     if fmt == "vllm":
-        method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[head_type]
-        tokens = cfg.get("num_heads", 5)  # Medusa proposes one token per head
+        method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "dflash": "dflash"}[head_type]
+        # Medusa proposes one token per head, DFlash block_size - 1 (slot 0 is the committed token)
+        tokens = cfg["block_size"] - 1 if head_type == "dflash" else cfg.get("num_heads", 5)
         spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": tokens})
         return f"vllm serve {target} --speculative-config '{spec}'"
+    if fmt == "sglang" and head_type == "dflash":
+        return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {cfg['block_size']}")
     if fmt == "sglang":
         algorithm = "EAGLE3" if head_type == "eagle3" else "EAGLE"
         return (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
@@ -489,6 +587,11 @@ NOTES = {
     ("medusa", "medusa"): "FasterDecoding's own inference code reads `medusa_lm_head.pt`; its training script, TGI "
     "and TensorRT-LLM read `medusa_lm_head.safetensors`. specgraft never writes pickles. vLLM <= 0.32 also "
     "serves this directory (`hidden_size`, `vocab_size` and `medusa_fc_bias` are here for it).",
+    ("dflash", "vllm"): "`dflash_config.target_layer_ids` name layer outputs (vLLM captures id + 1), ascending. "
+    "No embedding or lm_head: the target's are used. The `--to sglang` export holds the same files.",
+    ("dflash", "sglang"): "`dflash_config.target_layer_ids` name layer outputs (SGLang captures id + 1), ascending. "
+    "`--speculative-num-draft-tokens` is the block size. No embedding or lm_head: the target's are used. "
+    "The `--to vllm` export holds the same files.",
 }
 
 

@@ -1,7 +1,7 @@
-"""Import official EAGLE / EAGLE-3 / Medusa checkpoints (and engine exports) as specgraft heads.
+"""Import official EAGLE / EAGLE-3 / Medusa / DFlash checkpoints (and engine exports) as specgraft heads.
 
-Reads ``model.safetensors`` or ``pytorch_model.bin`` (EAGLE), or
-``medusa_lm_head.safetensors`` / ``.pt`` (Medusa), sharded or not; pickles go
+Reads ``model.safetensors`` or ``pytorch_model.bin`` (EAGLE), ``model.safetensors``
+(DFlash), or ``medusa_lm_head.safetensors`` / ``.pt`` (Medusa), sharded or not; pickles go
 through ``torch.load(weights_only=True)``, so a file that needs code execution
 to load is refused. Surgery is explicit: each renamed or dropped tensor is
 named below, every tensor the head needs must be present with the shape the
@@ -21,10 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from specgraft.heads.checkpoint import check_target, save_head
-from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.configs import DFlashConfig, Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.dflash import default_target_layer_ids
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
-from specgraft.heads.export import UNSUPPORTED_VARIANTS
+from specgraft.heads.export import DFLASH_VARIANTS, UNSUPPORTED_VARIANTS
 from specgraft.heads.loading import build_head
 from specgraft.model import Target
 from specgraft.specs import IMPORT_FORMATS
@@ -33,7 +34,9 @@ WEIGHT_FILES = {  # in the order the official loaders look for them
     "eagle": ("pytorch_model.bin", "model.safetensors"),
     "eagle3": ("pytorch_model.bin", "model.safetensors"),
     "medusa": ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors", "pytorch_model.bin"),
+    "dflash": ("model.safetensors",),
 }
+DFLASH_BLOCK_SIZE = 16  # z-lab's and SGLang's default when a config names none
 # Non-learned buffers some checkpoints carry (old transformers saved RoPE's inv_freq): dropped, recomputed.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -84,13 +87,18 @@ def _check_config(cfg: dict[str, Any], target: Target, num_layers: int, where: s
 
 def _check_embedding(tensors: dict[str, torch.Tensor], target: Target, where: str) -> None:
     """A checkpoint may carry a copy of the target's embedding: it must be this target's; then it is dropped."""
-    emb = tensors.pop("embed_tokens.weight", None)
-    if emb is None:
+    _drop_target_copy(tensors, "embed_tokens.weight", target.model.get_input_embeddings().weight, target, where)
+
+
+def _drop_target_copy(tensors: dict[str, torch.Tensor], key: str, ours: torch.Tensor, target: Target, where: str) -> None:
+    """Pop ``key`` if present, refusing it unless it is ``ours``, the target's own matrix of that name."""
+    copy = tensors.pop(key, None)
+    if copy is None:
         return
-    ours = target.model.get_input_embeddings().weight.detach().float().cpu()
+    ours = ours.detach().float().cpu()
     # fp16/bf16 copies differ from a float32 target by rounding, not by 1e-2 relative.
-    if emb.shape != ours.shape or not torch.allclose(emb.float(), ours, rtol=1e-2, atol=1e-3):
-        raise ValueError(f"{where}: embed_tokens.weight {tuple(emb.shape)} is not target {target.name!r}'s embedding "
+    if copy.shape != ours.shape or not torch.allclose(copy.float(), ours, rtol=1e-2, atol=1e-3):
+        raise ValueError(f"{where}: {key} {tuple(copy.shape)} is not target {target.name!r}'s {key.removesuffix('.weight')} "
                          f"{tuple(ours.shape)}: the checkpoint was trained for another target")
 
 
@@ -186,17 +194,58 @@ def _import_medusa(cfg, tensors, target, where) -> tuple[MedusaConfig, dict[str,
     return MedusaConfig(num_heads=heads, num_layers=layers), tensors
 
 
+def _refuse_dflash_variants(cfg: dict[str, Any], where: str) -> None:
+    """Causal blocks, sliding windows, sinks and the Domino projector change the maths; name the key that asks."""
+    dflash = cfg.get("dflash_config") or {}
+    on = [f"dflash_config.{k}={dflash[k]!r}" for k, is_on in DFLASH_VARIANTS.items() if k in dflash and is_on(dflash[k])]
+    on += [f"{k}=true" for k in ("is_causal", "attention_bias") if cfg.get(k)]
+    sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        on.append(f"layer_types={sorted(set(sliding))}")
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:  # Qwen3Config: sliding layers
+        on.append(f"use_sliding_window=true with sliding_window={cfg['sliding_window']}")
+    if on:
+        raise ValueError(f"{where} uses DFlash variants specgraft's head does not implement: {on}")
+
+
+def _import_dflash(cfg, tensors, target, where) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
+    _refuse_dflash_variants(cfg, where)
+    dflash = cfg.get("dflash_config") or {}
+    layers = cfg.get("num_hidden_layers", 1)
+    _check_config(cfg, target, layers, where)
+    n = dflash.get("num_target_layers", cfg.get("num_target_layers"))
+    if n is not None and n != target.num_layers:
+        raise ValueError(f"{where}: num_target_layers {n}, but target {target.name!r} has {target.num_layers} layers")
+    # Layer outputs, as specgraft names them: no shift (each engine adds 1 itself).
+    ids = dflash.get("target_layer_ids", cfg.get("target_layer_ids")) or default_target_layer_ids(target.num_layers, layers)
+    mask = dflash.get("mask_token_id")
+    if not isinstance(mask, int):
+        raise ValueError(f"{where}: config.json dflash_config.mask_token_id is {mask!r}; DFlash needs the id its "
+                         f"mask slots were trained with (a token string alone cannot be resolved without the tokenizer)")
+    sizes = {k: v for k, v in (("dflash_config.block_size", dflash.get("block_size")), ("block_size", cfg.get("block_size")))
+             if v is not None}
+    if len(set(sizes.values())) > 1:  # SGLang reads dflash_config's, z-lab the top-level one
+        raise ValueError(f"{where}: {sizes} disagree; fix one")
+    block_size = next(iter(sizes.values()), DFLASH_BLOCK_SIZE)
+    # vLLM prefixes every name with "model."; the target's embedding and lm_head are shared, never the head's.
+    tensors = {k.removeprefix("model."): t for k, t in tensors.items()}
+    _check_embedding(tensors, target, where)
+    _drop_target_copy(tensors, "lm_head.weight", target.model.get_output_embeddings().weight, target, where)
+    config = DFlashConfig(num_layers=layers, block_size=block_size, target_layer_ids=list(ids), mask_token_id=mask)
+    return config, tensors
+
+
 def import_head(src: str | Path, fmt: str, out_dir: str | Path, target: Target) -> Path:
     """Convert the checkpoint in ``src`` (official layout or an engine export) into a specgraft head in ``out_dir``.
 
     Args:
-        fmt: "eagle" (EAGLE-1/2), "eagle3" or "medusa".
+        fmt: "eagle" (EAGLE-1/2), "eagle3", "medusa" or "dflash".
         target: the loaded target the head drafts for; its sizes shape the head and are checked.
 
     Raises:
         FileNotFoundError: no config.json or weights file in ``src``.
         ValueError: a pickle that needs code execution, a config or tensor that does not fit the
-            target, a missing or unexpected tensor (each named), or an EAGLE variant specgraft lacks.
+            target, a missing or unexpected tensor (each named), or an EAGLE or DFlash variant specgraft lacks.
     """
     src = Path(src)
     if fmt not in IMPORT_FORMATS:
@@ -213,7 +262,7 @@ def import_head(src: str | Path, fmt: str, out_dir: str | Path, target: Target) 
     dropped = sorted(k for k in tensors if k.endswith(DROPPED_SUFFIXES))
     for k in dropped:
         del tensors[k]
-    build = {"eagle3": _import_eagle3, "eagle": _import_eagle, "medusa": _import_medusa}[fmt]
+    build = {"eagle3": _import_eagle3, "eagle": _import_eagle, "medusa": _import_medusa, "dflash": _import_dflash}[fmt]
     head_cfg, tensors = build(cfg, tensors, target, where)
     head = build_head(head_cfg, target)
     expected = head.state_dict()

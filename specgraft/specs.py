@@ -54,7 +54,7 @@ TREE_HELP = (
 BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
 # The checkpoint layouts `specgraft export --to` writes and `specgraft import-head --format` reads.
 EXPORT_FORMATS = ("vllm", "sglang", "eagle", "medusa")
-IMPORT_FORMATS = ("eagle", "eagle3", "medusa")
+IMPORT_FORMATS = ("eagle", "eagle3", "medusa", "dflash")
 # prompt-lookup[:K]+DRAFTER
 _COMPOSITE = re.compile(re.escape(PROMPT_LOOKUP) + r"(?::(?P<depth>[^+]*))?\+(?P<then>.*)", re.DOTALL)
 

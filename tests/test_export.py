@@ -1,8 +1,9 @@
-"""Head export (vLLM, SGLang, official EAGLE, Medusa) and import: exact names, validation, round trips, official layouts."""
+"""Head export (vLLM, SGLang, official EAGLE, Medusa, DFlash) and import: exact names, validation, round trips, official layouts."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import specgraft as sg
 from specgraft.heads import build_head, export_head, import_head, load_drafter, save_head, validate_export
-from specgraft.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.configs import DFlashConfig, Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.heads.eagle3 import default_aux_layers
 from specgraft.cli import main
 from specgraft.tree import TreeBuilder
@@ -78,14 +79,14 @@ def draft(drafter, target, prompt, depth=4):
     return tree.tokens.tolist(), torch.stack(recorder.logps)
 
 
-def assert_same_drafts(dir_a, dir_b, target, prompts=([1, 4, 8, 15, 16], [1, 30, 2, 7])):
+def assert_same_drafts(dir_a, dir_b, target, prompts=([1, 4, 8, 15, 16], [1, 30, 2, 7]), tol=1e-6):
     a, b = load_drafter(dir_a, target), load_drafter(dir_b, target)
     for prompt in prompts:
         tokens_a, logp_a = draft(a, target, prompt)
         tokens_b, logp_b = draft(b, target, prompt)
         assert tokens_a == tokens_b
         # 1e-6, relative as well: unsorted EAGLE-3 taps reorder fc's input blocks, so its sums round differently.
-        torch.testing.assert_close(logp_a, logp_b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(logp_a, logp_b, atol=tol, rtol=tol)
     runs = [sg.SpeculativeGenerator(target, d, tree=sg.Chain(4)).generate(prompts[0], max_new_tokens=24, eos_token_id=())
             for d in (a, b)]
     assert runs[0].token_ids == runs[1].token_ids
@@ -192,9 +193,13 @@ def test_medusa_repository_names_and_fields(tiny, tmp_path):
 
 # -- the validator refuses tampered directories --------------------------------------------------
 
+# The tiny target has no tokenizer, so DFlash heads name their mask id (an id it never generates: 96 of 97).
+DFLASH = DFlashConfig(num_layers=2, block_size=4, target_layer_ids=[5, 1], mask_token_id=96)
+
 CASES = [("eagle3", EAGLE3, "vllm"), ("eagle3", EAGLE3, "sglang"), ("eagle3", EAGLE3, "eagle"),
          ("eagle", EagleConfig(fc_bias=False), "vllm"), ("eagle", EagleConfig(fc_bias=True), "sglang"), ("eagle", EagleConfig(fc_bias=True), "eagle"),
-         ("medusa", MedusaConfig(num_heads=2), "vllm"), ("medusa", MedusaConfig(num_heads=2), "medusa")]
+         ("medusa", MedusaConfig(num_heads=2), "vllm"), ("medusa", MedusaConfig(num_heads=2), "medusa"),
+         ("dflash", DFLASH, "vllm"), ("dflash", DFLASH, "sglang")]
 
 
 def rewrite_weights(out: Path, edit) -> None:
@@ -272,6 +277,10 @@ def test_refused_exports_name_the_reason(tiny, tmp_path):
         export_head(saved(Eagle3Config(aux_layers=[0, 3, 5]), tiny, tmp_path / "emb"), "sglang", tmp_path / "a", tiny)
     with pytest.raises(ValueError, match="shares one ResBlock"):
         export_head(saved(MedusaConfig(num_layers=2), tiny, tmp_path / "deep"), "medusa", tmp_path / "a")
+    dflash = saved(DFLASH, tiny, tmp_path / "dflash")
+    for fmt in ("eagle", "medusa"):
+        with pytest.raises(ValueError, match=f"dflash heads cannot be exported --to {fmt} .*no block drafter"):
+            export_head(dflash, fmt, tmp_path / "a", tiny)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ValueError, match="not empty"):
@@ -309,7 +318,8 @@ def test_round_trip_keeps_drafts_identical(tiny, tmp_path, config, fmt):
 STORIES_TRIPS = [(Eagle3Config(aux_layers=[1, 2, 3], draft_vocab_size=200), "vllm"),
                  (Eagle3Config(aux_layers=[1, 2, 4]), "sglang"),
                  (EagleConfig(fc_bias=False), "vllm"), (EagleConfig(fc_bias=True), "eagle"),
-                 (MedusaConfig(num_heads=3), "vllm"), (MedusaConfig(num_heads=2), "medusa")]
+                 (MedusaConfig(num_heads=3), "vllm"), (MedusaConfig(num_heads=2), "medusa"),
+                 (DFlashConfig(block_size=4, target_layer_ids=[3, 0], mask_token_id=0), "sglang")]
 
 
 @pytest.mark.parametrize("config, fmt", STORIES_TRIPS, ids=[f"{c.type}-{f}" for c, f in STORIES_TRIPS])
@@ -353,7 +363,8 @@ def test_trained_heads_round_trip(head_dir, tmp_path):
         pytest.skip(f"{head_dir} drafts for {name!r}, which is not on this machine")
     target = sg.load_target(name)
     head_type, n = cfg["head"]["type"], cfg["target"]["num_hidden_layers"]
-    formats = {"medusa": ("vllm", "medusa"), "eagle": ("sglang", "eagle"), "eagle3": ("vllm", "sglang")}[head_type]
+    formats = {"medusa": ("vllm", "medusa"), "eagle": ("sglang", "eagle"), "eagle3": ("vllm", "sglang"),
+               "dflash": ("vllm", "sglang")}[head_type]
     taps = cfg["head"].get("aux_layers") or list(default_aux_layers(n))
     if head_type == "eagle3" and (len(set(taps)) != 3 or not 1 <= min(taps) <= max(taps) <= n - 1):
         with pytest.raises(ValueError, match="repeat a layer|must lie in"):
@@ -487,6 +498,219 @@ def test_imports_name_what_does_not_fit(tiny, tmp_path):
         import_head(out, "medusa", tmp_path / "a", wider)
 
 
+# -- DFlash ----------------------------------------------------------------------------------------
+
+DFLASH_LAYER = {f"self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")} | {
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"}
+DFLASH_PROMPTS = ([1, 4, 8, 15, 16], [1, 30, 2, 7], [5, 9, 9, 40, 3, 12])
+
+
+def dflash_names(layers: int) -> set[str]:
+    """The official checkpoint's names: no "model." prefix, no embedding, no lm_head."""
+    return {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}.weight" for i in range(layers) for n in DFLASH_LAYER}
+
+
+@pytest.fixture(scope="module")
+def fitted_dflash(tiny, tmp_path_factory) -> Path:
+    """DFLASH fitted for a second to the tiny target's greedy text: on DFLASH_PROMPTS it drafts some blocks the
+    target accepts and some it rejects (a random head, even at std 0.3, has every draft rejected)."""
+    from toy_train import collate, greedy_examples
+
+    from specgraft.train.features import target_batch
+
+    torch.manual_seed(0)
+    head = build_head(replace(DFLASH, num_anchors=16), tiny).train()
+    batch = target_batch(tiny, collate(greedy_examples(tiny, 8, 40)), head.hidden_layers)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    for _ in range(100):
+        loss, _ = head.loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return save_head(head.eval(), tmp_path_factory.mktemp("dflash") / "head", tiny)
+
+
+def assert_same_generations(dir_a: Path, dir_b: Path, target) -> list[int]:
+    """Greedy generations of every prompt: the same tokens, accepted in the same steps. Returns the histogram."""
+    a, b = load_drafter(dir_a, target), load_drafter(dir_b, target)
+    total = [0] * 4  # Chain(3): a step commits 1 to 4 tokens
+    for prompt in DFLASH_PROMPTS:
+        runs = [sg.SpeculativeGenerator(target, d, tree=sg.Chain(3)).generate(prompt, max_new_tokens=24, eos_token_id=())
+                for d in (a, b)]
+        assert runs[0].token_ids == runs[1].token_ids
+        histogram = runs[0].stats.accept_length_histogram
+        assert histogram == runs[1].stats.accept_length_histogram
+        for length, steps in enumerate(histogram):
+            total[length] += steps
+    return total
+
+
+def test_dflash_engine_names_and_fields(tiny, tmp_path):
+    head_dir = saved(DFLASH, tiny, tmp_path / "h")
+    outs = {fmt: export_head(head_dir, fmt, tmp_path / fmt, tiny) for fmt in ("vllm", "sglang")}
+    for fmt, out in outs.items():
+        validate_export(out, fmt)
+        assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+        assert set(load_file(out / "model.safetensors")) == dflash_names(2)
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+        assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 5], "block_size": 4}  # ascending
+        assert (cfg["block_size"], cfg["num_target_layers"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (4, 8, 2, 97)
+        assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["tie_word_embeddings"] is False
+        assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["hidden_act"], cfg["attention_bias"]) == (8, 2, "silu", False)
+    # Both engines read the same directory; only the README's serve command differs.
+    assert (outs["vllm"] / "config.json").read_text() == (outs["sglang"] / "config.json").read_text()
+    exported, ours = load_file(outs["vllm"] / "model.safetensors"), load_file(head_dir / "model.safetensors")
+    assert all(torch.equal(exported[k], load_file(outs["sglang"] / "model.safetensors")[k]) for k in exported)
+    # Engines concatenate the captured layers in layer order: fc's blocks for ids [5, 1] are swapped.
+    assert torch.equal(exported["fc.weight"], torch.cat(ours["fc.weight"].split(32, dim=1)[::-1], dim=1))
+    assert all(torch.equal(exported[k], ours[k]) for k in ours if k != "fc.weight")
+    assert '"method": "dflash"' in (outs["vllm"] / "README.md").read_text()
+    assert '"num_speculative_tokens": 3' in (outs["vllm"] / "README.md").read_text()
+    assert ("--speculative-algorithm DFLASH" in (outs["sglang"] / "README.md").read_text()
+            and "--speculative-num-draft-tokens 4" in (outs["sglang"] / "README.md").read_text())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("architectures", ["LlamaForCausalLMEagle3"], "'architectures' is \\['LlamaForCausalLMEagle3'\\], expected \\['DFlashDraftModel'\\]"),
+    ("mask_token_id", 97, "dflash_config.mask_token_id is 97, expected an id below vocab_size 97"),
+    ("mask_token_id", None, "dflash_config.mask_token_id is None"),
+    ("target_layer_ids", [1, 7], "target_layer_ids \\[1, 7\\] must lie in \\[0, 6\\]"),
+    ("target_layer_ids", [5, 1], "distinct and ascending"),
+    ("target_layer_ids", [1, 1], "distinct and ascending"),
+    ("block_size", 1, "dflash_config.block_size is 1, expected an int >= 2"),
+    ("block_size", 5, "'block_size' 4 differs from dflash_config's 5"),
+    ("causal", True, "dflash_config sets \\['causal'\\]"),
+    ("layer_types", ["full_attention", "sliding_attention"], "'layer_types' is"),
+    ("num_target_layers", 6, "'num_target_layers' is 6, the target has 8"),
+])
+def test_validator_refuses_wrong_dflash_fields(tiny, tmp_path, field, value, message):
+    out = export_head(saved(DFLASH, tiny, tmp_path / "h"), "sglang", tmp_path / "x", tiny)
+    cfg = json.loads((out / "config.json").read_text())
+    if field in ("architectures", "layer_types", "num_target_layers"):  # top-level fields
+        cfg[field] = value
+    elif value is None:  # a missing field
+        del cfg["dflash_config"][field]
+    else:
+        cfg["dflash_config"][field] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        validate_export(out, "sglang")
+
+
+def test_validator_refuses_a_dflash_fc_for_other_layers(tiny, tmp_path):
+    out = export_head(saved(DFLASH, tiny, tmp_path / "h"), "vllm", tmp_path / "x", tiny)
+    rewrite_weights(out, lambda t: t.__setitem__("fc.weight", torch.cat([t["fc.weight"]] * 2, dim=1)[:, :96].contiguous()))
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(32, 96\), the config implies \(32, 64\)"):
+        validate_export(out, "vllm")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_dflash_round_trip_drafts_the_same(tiny, fitted_dflash, tmp_path, fmt):
+    back = import_head(export_head(fitted_dflash, fmt, tmp_path / fmt, tiny), "dflash", tmp_path / "back", tiny)
+    config = json.loads((back / "config.json").read_text())["head"]
+    assert (config["target_layer_ids"], config["mask_token_id"], config["block_size"]) == ([1, 5], 96, 4)
+    # fc's input blocks were reordered to ascending ids; a fitted head's larger sums round a little further apart.
+    assert_same_drafts(fitted_dflash, back, tiny, tol=1e-5)
+    histogram = assert_same_generations(fitted_dflash, back, tiny)
+    assert histogram[0] > 0 and sum(histogram[1:]) > 0  # drafts rejected and accepted: the comparison is not vacuous
+
+
+def official_dflash(target, path: Path, ids=(1, 3, 5), layout="model.safetensors") -> Path:
+    """A DFlash checkpoint as z-lab publishes it (Qwen3-8B-b16's config fields), bf16 random weights.
+
+    ``layout``: "model.safetensors", "model. prefix" (vLLM's internal names, with copies of the target's
+    embedding and lm_head) or "sharded" (two files and an index).
+    """
+    gen = torch.Generator().manual_seed(0)
+    reference = build_head(DFlashConfig(num_layers=2, block_size=4, target_layer_ids=list(ids) or None, mask_token_id=96), target)
+    state = {k: (torch.randn(t.shape, generator=gen) * 0.3).bfloat16() for k, t in reference.state_dict().items()}
+    if layout == "model. prefix":
+        state = {f"model.{k}": t for k, t in state.items()}
+        state["model.embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach().bfloat16()
+        state["lm_head.weight"] = target.model.get_output_embeddings().weight.detach().bfloat16()
+    path.mkdir(parents=True)
+    if layout == "sharded":
+        names = sorted(state)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, keys in shards.items():
+            save_file({k: state[k] for k in keys}, str(path / file))
+        index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file(state, str(path / "model.safetensors"))
+    dflash = {"mask_token_id": 96} | ({"target_layer_ids": list(ids)} if ids else {})
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "block_size": 4, "dflash_config": dflash, "num_target_layers": 8,
+        "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "max_position_embeddings": 256,
+        "vocab_size": 97, "tie_word_embeddings": False, "layer_types": ["full_attention"] * 2, "sliding_window": None,
+        "use_sliding_window": False, "max_window_layers": 2, "dtype": "bfloat16", "use_cache": True,
+    }))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["model.safetensors", "model. prefix", "sharded"])
+def test_official_dflash_checkpoint_drafts_like_its_weights(tiny, tmp_path, layout):
+    src = official_dflash(tiny, tmp_path / "official", layout=layout)
+    head_dir = import_head(src, "dflash", tmp_path / "head", tiny)
+    assert load_drafter(head_dir, tiny).hidden_layers == (2, 4, 6)  # layer outputs 1, 3, 5: HF hidden_states + 1
+    weights = {k.removeprefix("model."): t.float() for f in src.glob("model*.safetensors") for k, t in load_file(f).items()}
+    weights = {k: t for k, t in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")}  # the target's
+    head = build_head(DFlashConfig(num_layers=2, block_size=4, target_layer_ids=[1, 3, 5], mask_token_id=96), tiny).eval()
+    head.load_state_dict(weights, strict=True)
+    reference = save_head(head, tmp_path / "reference", tiny)
+    assert_same_drafts(reference, head_dir, tiny)
+    assert_same_generations(reference, head_dir, tiny)
+
+
+def test_official_dflash_defaults(tiny, tmp_path):
+    """No target_layer_ids: z-lab's spread for the draft's layer count; no block_size anywhere: 16."""
+    src = official_dflash(tiny, tmp_path / "src", ids=())
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["block_size"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    head = json.loads((import_head(src, "dflash", tmp_path / "head", tiny) / "config.json").read_text())["head"]
+    assert (head["target_layer_ids"], head["block_size"]) == ([1, 5], 16)  # default_target_layer_ids(8, 2)
+    (src / "config.json").write_text(json.dumps(cfg | {"target_layer_ids": [2, 6]}))  # SGLang also reads the top level
+    head = json.loads((import_head(src, "dflash", tmp_path / "top", tiny) / "config.json").read_text())["head"]
+    assert head["target_layer_ids"] == [2, 6]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["dflash_config"].pop("mask_token_id"), "dflash_config.mask_token_id is None"),
+    (lambda c: c["dflash_config"].update(causal=True), "dflash_config.causal=True"),
+    (lambda c: c["dflash_config"].update(use_swa=True), "dflash_config.use_swa=True"),
+    (lambda c: c.update(layer_types=["full_attention", "sliding_attention"], sliding_window=8),
+     "layer_types=\\['sliding_attention'\\]"),
+    (lambda c: c.update(use_sliding_window=True, sliding_window=8), "use_sliding_window=true with sliding_window=8"),
+    (lambda c: c["dflash_config"].update(block_size=8), "'block_size': 4} disagree"),
+    (lambda c: c.update(num_target_layers=6), "num_target_layers 6, but target .* has 8 layers"),
+    (lambda c: c.update(intermediate_size=128), "intermediate_size: checkpoint has 128, the target implies 64"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 3, 7]), "target_layer_ids \\[1, 3, 7\\] must be distinct"),
+], ids=["no-mask", "causal", "swa", "sliding-layers", "use-sliding-window", "block-sizes", "target-layers", "sizes", "ids"])
+def test_dflash_imports_name_what_does_not_fit(tiny, tmp_path, edit, message):
+    src = official_dflash(tiny, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        import_head(src, "dflash", tmp_path / "head", tiny)
+    assert not (tmp_path / "head").exists()
+
+
+def test_dflash_import_refuses_another_targets_lm_head(tiny, tmp_path):
+    src = official_dflash(tiny, tmp_path / "src", layout="model. prefix")
+    state = load_file(src / "model.safetensors")
+    state["lm_head.weight"] = torch.randn(97, 32).bfloat16()
+    save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.weight \\(97, 32\\) is not target .*'s lm_head"):
+        import_head(src, "dflash", tmp_path / "head", tiny)
+
+
 # -- command line ---------------------------------------------------------------------------------
 
 
@@ -497,3 +721,12 @@ def test_command_line_export_and_import(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("specgraft.model.load_target", lambda *a, **k: tiny)  # the tiny target has no directory
     assert main(["import-head", str(tmp_path / "x"), "--format", "medusa", str(tmp_path / "back"), "--target", "tiny"]) == 0
     assert_same_drafts(head_dir, tmp_path / "back", tiny)
+
+
+def test_command_line_dflash_export_and_import(tiny, fitted_dflash, tmp_path, capsys, monkeypatch):
+    tiny.config.save_pretrained(tmp_path / "target")  # export reads only the target's config
+    assert main(["export", str(fitted_dflash), "--to", "sglang", str(tmp_path / "x"), "--target", str(tmp_path / "target")]) == 0
+    assert "--speculative-algorithm DFLASH" in capsys.readouterr().out
+    monkeypatch.setattr("specgraft.model.load_target", lambda *a, **k: tiny)  # the tiny target has no directory
+    assert main(["import-head", str(tmp_path / "x"), "--format", "dflash", str(tmp_path / "back"), "--target", "tiny"]) == 0
+    assert_same_generations(fitted_dflash, tmp_path / "back", tiny)

@@ -105,13 +105,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--to", required=True, choices=EXPORT_FORMATS, dest="fmt",
                         help="vllm, sglang, eagle (official EAGLE repo) or medusa (Medusa repo)")
     parser.add_argument("--target", default=None,
-                        help="target path or hub id whose config EAGLE draft layers copy (default: the head's own)")
+                        help="target path or hub id whose config EAGLE and DFlash draft layers copy (default: the head's own)")
     return parser
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of ``specgraft import-head``."""
-    parser.add_argument("src_dir", help="checkpoint directory: official EAGLE / EAGLE-3 / Medusa layout or an engine export")
+    parser.add_argument("src_dir", help="checkpoint directory: official EAGLE / EAGLE-3 / Medusa / DFlash layout or an engine export")
     parser.add_argument("out_dir", help="where to write the specgraft head")
     parser.add_argument("--format", required=True, choices=IMPORT_FORMATS, dest="fmt")
     parser.add_argument("--target", required=True, help="target model directory or hub id")
