@@ -62,3 +62,17 @@ def test_adaptive_trees_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
     assert sched.controller is not None and sched.controller.cost is not None  # timed on this device
     for handle, prompt in handles.items():
         assert outputs[handle] == hf_greedy(cuda_stories, prompt, 32)
+
+
+def test_dflash_blocks_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
+    """DFlash's context cache and block forward on a GPU, rows of one batched draft cache, exact."""
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import DFlashConfig
+
+    torch.manual_seed(0)
+    head = build_head(DFlashConfig(block_size=6, target_layer_ids=[0, 2, 3]), cuda_stories).eval()
+    gen = sg.SpeculativeGenerator(cuda_stories, as_drafter(head, cuda_stories), tree=sg.DynamicTree(top_k=2, depth=5, budget=10))
+    prompts = [cuda_stories.encode(p) for p in dev_prompts[:6]]
+    outputs = gen.generate_batch(prompts, max_new_tokens=32, eos_token_id=())
+    for out, prompt in zip(outputs, prompts):
+        assert out.token_ids == hf_greedy(cuda_stories, prompt, 32)
