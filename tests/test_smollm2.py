@@ -80,8 +80,23 @@ CONVERSATIONS = [
 ]
 
 
+def test_dflash_keeps_greedy_output_identical_on_a_chat_prompt(smollm2):
+    """A DFlash head over SmolLM2's own taps (its mask token resolved from the tokenizer), drafting chains and trees."""
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import DFlashConfig
+
+    torch.manual_seed(0)
+    head = build_head(DFlashConfig(block_size=5, target_layer_ids=[1, 14, 26]), smollm2).eval()
+    assert head.config.mask_token_id is not None and head.hidden_layers == (2, 15, 27)
+    ids = chat_ids(smollm2)
+    ref = smollm2.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24)[0, ids.shape[1]:]
+    for tree in (sg.Chain(4), sg.DynamicTree(top_k=2, depth=4, budget=8)):
+        out = sg.SpeculativeGenerator(smollm2, as_drafter(head, smollm2), tree=tree).generate(ids[0].tolist(), max_new_tokens=24)
+        assert out.token_ids == ref.tolist()
+
+
 def test_recipes_were_found():
-    assert [p.stem for p in RECIPES] == ["draft", "eagle", "eagle3", "medusa"]
+    assert [p.stem for p in RECIPES] == ["dflash", "draft", "eagle", "eagle3", "medusa"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

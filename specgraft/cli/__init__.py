@@ -415,6 +415,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specgraft {args.command}: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
