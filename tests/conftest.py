@@ -172,19 +172,12 @@ def smollm2():
 def trained_eagle(stories, tmp_path_factory):
     """A tiny EAGLE head for stories260K, trained for seconds on the target's own greedy text (a real, if small,
     self-distilled head: it drafts well, tau ~4 on a chain of 4), saved as a head directory."""
-    from toy_train import collate, greedy_examples
+    from toy_train import fit, greedy_examples
 
     from specgraft.heads import build_head, save_head
     from specgraft.heads.configs import EagleConfig
-    from specgraft.train.features import target_batch
 
     torch.manual_seed(0)
-    head = build_head(EagleConfig(), stories).train()
-    batch = target_batch(stories, collate(greedy_examples(stories, 48, 64)), head.hidden_layers)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)  # MEASURED.md's rate for stories260K heads
-    for _ in range(150):
-        loss, _ = head.loss(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return save_head(head.eval(), tmp_path_factory.mktemp("trained-eagle"), stories)
+    examples = greedy_examples(stories, 48, 64)
+    head = fit(build_head(EagleConfig(), stories), stories, examples, steps=150, lr=3e-3)  # MEASURED.md's rate
+    return save_head(head, tmp_path_factory.mktemp("trained-eagle"), stories)

@@ -515,20 +515,11 @@ def dflash_names(layers: int) -> set[str]:
 def fitted_dflash(tiny, tmp_path_factory) -> Path:
     """DFLASH fitted for a second to the tiny target's greedy text: on DFLASH_PROMPTS it drafts some blocks the
     target accepts and some it rejects (a random head, even at std 0.3, has every draft rejected)."""
-    from toy_train import collate, greedy_examples
-
-    from specgraft.train.features import target_batch
+    from toy_train import fit, greedy_examples
 
     torch.manual_seed(0)
-    head = build_head(replace(DFLASH, num_anchors=16), tiny).train()
-    batch = target_batch(tiny, collate(greedy_examples(tiny, 8, 40)), head.hidden_layers)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-2)
-    for _ in range(100):
-        loss, _ = head.loss(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return save_head(head.eval(), tmp_path_factory.mktemp("dflash") / "head", tiny)
+    head = fit(build_head(replace(DFLASH, num_anchors=16), tiny), tiny, greedy_examples(tiny, 8, 40), steps=100, lr=1e-2)
+    return save_head(head, tmp_path_factory.mktemp("dflash") / "head", tiny)
 
 
 def assert_same_generations(dir_a: Path, dir_b: Path, target) -> list[int]:

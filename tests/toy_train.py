@@ -72,6 +72,21 @@ def greedy_examples(target: Target, count: int, length: int, seed: int = 0) -> l
     return [{"input_ids": row.tolist(), "loss_mask": [0] + [1] * (len(row) - 1)} for row in out]
 
 
+def fit(head: nn.Module, target: Target, examples: list[dict], steps: int, lr: float) -> nn.Module:
+    """Train ``head`` for ``steps`` full-batch AdamW steps on ``examples`` (seconds on a tiny target); returns it in eval mode."""
+    from specgraft.train.features import target_batch
+
+    head.train()
+    batch = target_batch(target, collate(examples), head.hidden_layers)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr)
+    for _ in range(steps):
+        loss, _ = head.loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()
+
+
 def collate(examples: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """`specgraft.train.data.collate` when it exists, else a minimal right-padding collate."""
     try:
