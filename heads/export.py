@@ -78,6 +78,11 @@ DFLASH_VARIANTS = {
 }
 
 
+def dflash_variants(dflash_config: dict[str, Any]) -> list[str]:
+    """The `DFLASH_VARIANTS` keys that ``dflash_config`` turns on."""
+    return [k for k, is_on in DFLASH_VARIANTS.items() if k in dflash_config and is_on(dflash_config[k])]
+
+
 def weights_file(head_type: str, fmt: str) -> str:
     return MEDUSA_REPO_WEIGHTS if (head_type, fmt) == ("medusa", "medusa") else "model.safetensors"
 
@@ -258,7 +263,7 @@ def _dflash_config_problems(cfg: dict[str, Any], num_target_layers: int | None) 
     if cfg.get("layer_types") != ["full_attention"] * cfg.get("num_hidden_layers", 0):
         problems.append(f"config.json 'layer_types' is {cfg.get('layer_types')!r}, expected 'full_attention' for "
                         f"every layer (specgraft's DFlash has no sliding window)")
-    on = [k for k, is_on in DFLASH_VARIANTS.items() if k in dflash and is_on(dflash[k])]
+    on = dflash_variants(dflash)
     if on:
         problems.append(f"config.json dflash_config sets {on}: not how specgraft's dflash head computes")
     return problems

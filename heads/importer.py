@@ -25,7 +25,7 @@ from specgraft.heads.configs import DFlashConfig, Eagle3Config, EagleConfig, Med
 from specgraft.heads.dflash import default_target_layer_ids
 from specgraft.heads.eagle import layer_config
 from specgraft.heads.eagle3 import default_aux_layers
-from specgraft.heads.export import DFLASH_VARIANTS, UNSUPPORTED_VARIANTS
+from specgraft.heads.export import UNSUPPORTED_VARIANTS, dflash_variants
 from specgraft.heads.loading import build_head
 from specgraft.model import Target
 from specgraft.specs import IMPORT_FORMATS
@@ -197,7 +197,7 @@ def _import_medusa(cfg, tensors, target, where) -> tuple[MedusaConfig, dict[str,
 def _refuse_dflash_variants(cfg: dict[str, Any], where: str) -> None:
     """Causal blocks, sliding windows, sinks and the Domino projector change the maths; name the key that asks."""
     dflash = cfg.get("dflash_config") or {}
-    on = [f"dflash_config.{k}={dflash[k]!r}" for k, is_on in DFLASH_VARIANTS.items() if k in dflash and is_on(dflash[k])]
+    on = [f"dflash_config.{k}={dflash[k]!r}" for k in dflash_variants(dflash)]
     on += [f"{k}=true" for k in ("is_causal", "attention_bias") if cfg.get(k)]
     sliding = [t for t in cfg.get("layer_types") or [] if t != "full_attention"]
     if sliding:
