@@ -85,6 +85,22 @@ class DraftRequest:
     row: int = 0
 
 
+def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[Tree]:
+    """Each request's tree from per-depth draft distributions that do not depend on the parent (Medusa's heads,
+    DFlash's block slots): ``logp`` (B, D, V), row b's depth-d children drawn from ``logp[b, d - 1]``; at most D deep."""
+    trees = []
+    for request, row_logp in zip(requests, logp):
+
+        def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
+            return row_logp[tree.depth[frontier]]  # a node at depth d has children at depth d + 1
+
+        depth = min(request.max_depth, row_logp.shape[0])
+        trees.append(request.policy.grow(
+            step, request.root_token, max_depth=depth, device=row_logp.device, sampling=request.sampling
+        ))
+    return trees
+
+
 @runtime_checkable
 class BatchDrafter(Drafter, Protocol):
     """A drafter that drafts many generations' trees together, its neural work batched per tree level."""

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specgraft.heads.base import DraftRequest, TrainBatch
+from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth
 from specgraft.heads.configs import DFlashConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target, rms_norm
@@ -121,7 +121,9 @@ class DFlashHead(nn.Module):
         # id n - 1 would be HF's final-norm output, which vLLM and SGLang do not capture.
         bad = [i for i in ids if not 0 <= i < n - 1]
         if bad or len(set(ids)) != len(ids):
-            raise ValueError(f"target_layer_ids {ids} must be distinct decoder-layer ids in [0, {n - 2}] of this {n}-layer target")
+            raise ValueError(
+                f"target_layer_ids {ids} must be distinct decoder-layer ids in [0, {n - 2}] of this {n}-layer target"
+            )
         mask = config.mask_token_id if config.mask_token_id is not None else resolve_mask_token_id(target)
         if mask >= target.vocab_size:
             raise ValueError(f"mask_token_id {mask} is outside the target's vocabulary of {target.vocab_size}")
@@ -159,7 +161,9 @@ class DFlashHead(nn.Module):
         """(B, T) positions -> cos, sin (B, T, D) from the target's rope settings."""
         return self.rotary(x, positions)
 
-    def context_kv(self, layer: int, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(
+        self, layer: int, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values (B, Hkv, S, D) of (B, S, H) context features, RoPE applied to keys."""
         attn = self.layers[layer].self_attn
         b, s, _ = context.shape
@@ -219,7 +223,8 @@ class DFlashHead(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """(.., H) block outputs -> (.., V) logits through the target's lm_head."""
-        return F.linear(out, self.lm_head_weight.to(out.dtype), None if self.lm_head_bias is None else self.lm_head_bias.to(out.dtype))
+        bias = None if self.lm_head_bias is None else self.lm_head_bias.to(out.dtype)
+        return F.linear(out, self.lm_head_weight.to(out.dtype), bias)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
@@ -231,7 +236,9 @@ class DFlashHead(nn.Module):
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         w = self.fc.weight
-        return BatchedKVCache(len(self.layers), self.num_kv, self.head_dim, rows=rows, max_len=max_len, dtype=w.dtype, device=w.device)
+        return BatchedKVCache(
+            len(self.layers), self.num_kv, self.head_dim, rows=rows, max_len=max_len, dtype=w.dtype, device=w.device
+        )
 
     # -- training -----------------------------------------------------------------------------------
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -250,7 +257,8 @@ class DFlashHead(nn.Module):
         x = self.embed(block)  # (B, A, K, H)
         cos, sin = self.rope(x, slots.view(b, -1))
         kv = [self.context_kv(i, context, ctx_cos, ctx_sin) for i in range(len(self.layers))]
-        out = self.run_block(x, cos.view(b, a, k_size, -1), sin.view(b, a, k_size, -1), kv, context_visibility(anchors, keep, s))
+        sees = context_visibility(anchors, keep, s)
+        out = self.run_block(x, cos.view(b, a, k_size, -1), sin.view(b, a, k_size, -1), kv, sees)  # (B, A, K, H)
         logp = self.logits(out[:, :, 1:]).float().log_softmax(-1)  # (B, A, K-1, V): slot k predicts position anchor + k
         at = slots[:, :, 1:].clamp(max=s - 1)  # (B, A, K-1)
         inside = slots[:, :, 1:] < s
@@ -258,7 +266,7 @@ class DFlashHead(nn.Module):
         weight = weight.float() * loss_mask.float().gather(1, at.reshape(b, -1)).view_as(at)
         depth_weight = torch.ones(k_size - 1, device=device)
         if self.config.loss_decay_gamma is not None:
-            depth_weight = torch.exp(-torch.arange(k_size - 1, device=device, dtype=torch.float) / self.config.loss_decay_gamma)
+            depth_weight = torch.exp(-torch.arange(k_size - 1, device=device).float() / self.config.loss_decay_gamma)
         labels = ids.gather(1, at.reshape(b, -1)).view_as(at)
         if self.config.labels == "tokens":
             ce = -logp.gather(-1, labels[..., None])[..., 0]
@@ -323,16 +331,7 @@ class DFlashDrafter:
     def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
         if rows is None and len(requests) != 1:
             raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
-        logp = self.block_logp(requests, rows)
-        trees = []
-        for request, row_logp in zip(requests, logp):
-            depth = min(request.max_depth, row_logp.shape[0])
-
-            def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
-                return row_logp[tree.depth[frontier]]  # depth d's children come from slot d + 1
-
-            trees.append(request.policy.grow(step, request.root_token, max_depth=depth, device=self.device, sampling=request.sampling))
-        return trees
+        return grow_by_depth(requests, self.block_logp(requests, rows))  # slot d drafts depth d, whatever the parent
 
     @torch.inference_mode()
     def block_logp(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> torch.Tensor:
@@ -368,9 +367,9 @@ class DFlashDrafter:
         joined = {i: torch.cat([h[i] for _, h in waiting]).to(self.device) for i in self.hidden_layers}
         context = head.fuse(joined)[None]  # (1, N, H): every row's new positions, concatenated
         sizes = [h[self.hidden_layers[0]].shape[0] for _, h in waiting]
-        positions = torch.cat([torch.arange(len(s.cache), len(s.cache) + n, device=self.device) for (s, _), n in zip(waiting, sizes)])
+        starts = [s.cache.extend(1, n) for (s, _), n in zip(waiting, sizes)]  # context position j sits in slot j
+        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, sizes)]).to(self.device)
         cos, sin = head.rope(context, positions[None])
-        starts = [s.cache.extend(1, n) for (s, _), n in zip(waiting, sizes)]
         for layer in range(len(head.layers)):
             keys, values = head.context_kv(layer, context, cos, sin)  # (1, Hkv, N, D)
             offset = 0
@@ -385,7 +384,8 @@ class DFlashDrafter:
             return states[0].cache.layer_kv(layer)
         index = [r.row for r in requests]
         if index == list(range(index[0], index[0] + len(index))):  # consecutive rows: views, no copy
-            return rows.kv[layer, 0, index[0] : index[-1] + 1, :, :width], rows.kv[layer, 1, index[0] : index[-1] + 1, :, :width]
+            kv = rows.kv[layer, :, index[0] : index[-1] + 1, :, :width]  # (2, B, Hkv, W, D)
+            return kv[0], kv[1]
         index = torch.tensor(index, device=rows.kv.device)
         return rows.kv[layer, 0, :, :, :width].index_select(0, index), rows.kv[layer, 1, :, :, :width].index_select(0, index)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from typing import Sequence
 
-from specgraft.heads.base import DraftRequest, TrainBatch
+from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth
 from specgraft.heads.configs import MedusaConfig
 from specgraft.model import BatchedKVCache, Target
 from specgraft.tree import Sampling, Tree, TreePolicy
@@ -112,17 +112,7 @@ class MedusaDrafter:
         hidden = torch.stack([request.state.last_hidden for request in requests]).float()  # (B, H)
         depths = [min(r.max_depth, r.policy.max_depth, self.heads.config.num_heads) for r in requests]
         logp = self.heads(hidden, num_heads=max(depths)).log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
-        trees = []
-        for b, (request, max_depth) in enumerate(zip(requests, depths)):
-            row_logp = logp[:, b]  # (K', V)
-
-            def step(tree: Tree, frontier: torch.Tensor, row_logp=row_logp) -> torch.Tensor:
-                return row_logp[tree.depth[frontier]]
-
-            trees.append(request.policy.grow(
-                step, request.root_token, max_depth=max_depth, device=hidden.device, sampling=request.sampling
-            ))
-        return trees
+        return grow_by_depth(requests, logp.transpose(0, 1))  # policies cap a request's depth at their own
 
 
 class MedusaDraftState:
