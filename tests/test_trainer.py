@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from toy_train import ToyHead, collate, greedy_examples
 
 from specgraft.config import load_config
+from specgraft.heads import load_drafter
+from specgraft.heads.medusa import MedusaDrafter
 from specgraft.train.feature_cache import FeatureCache, extract_features
 from specgraft.train.features import target_batch
 from specgraft.train.trainer import Trainer, latest_checkpoint, lr_factor
@@ -162,6 +164,44 @@ def test_single_process_run_learns_logs_and_exports(stories, tmp_path, data_file
     assert not any(key in os.environ for key in LAUNCH_ENV)
 
 
+def test_the_best_simulated_tau_keeps_its_head_beside_the_last(stories, tmp_path, data_file, examples):
+    values = iter([1.5, 2.5, 2.0])  # evaluations at steps 2, 4 and the end (6)
+    heads = {}
+
+    def evaluate(head):
+        heads[len(heads)] = {k: v.clone() for k, v in head.state_dict().items()}
+        return {"simulated_tau": next(values), "depth1_top1": 0.5}
+
+    config = write_config(tmp_path, stories, data_file, epochs=1, micro_batch_size=8, eval_every=2, save_every=0)
+    held_out = ["data.eval_fraction=0.1"]  # eval_every needs something to evaluate on (the test's evaluate)
+    trainer = Trainer(
+        load_config(config, held_out), target=stories, head=ToyHead(stories), train_data=examples, collate=collate, evaluate=evaluate
+    )
+    trainer.fit()
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval/simulated_tau"]) for r in records if "eval/simulated_tau" in r] == [
+        (2, 1.5), (4, 2.5), (6, 2.0)
+    ]
+    assert json.loads((run / "best" / "best.json").read_text()) == {"step": 4, "simulated_tau": 2.5}
+    best = load_file(str(run / "best" / "model.safetensors"))
+    for name, value in heads[1].items():  # the head evaluated at step 4, not the last
+        torch.testing.assert_close(best[name], value)
+    assert not torch.equal(best["proj.weight"], load_file(str(run / "head" / "model.safetensors"))["proj.weight"])
+    assert "eval/simulated_tau | 2.5" in (run / "best" / "README.md").read_text()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("best")) == ["best"]  # nothing left aside
+
+    # A resumed run knows the best so far: a lower value does not replace it; resume=never starts over.
+    again = Trainer(load_config(config, held_out), target=stories, head=ToyHead(stories), train_data=examples, collate=collate,
+                    evaluate=lambda head: {"simulated_tau": 2.4})
+    again.fit()
+    assert json.loads((run / "best" / "best.json").read_text())["simulated_tau"] == 2.5
+    fresh = Trainer(load_config(config, [*held_out, "training.resume=never"]), target=stories, head=ToyHead(stories),
+                    train_data=examples, collate=collate, evaluate=lambda head: {"simulated_tau": 2.4})
+    fresh.fit()
+    assert json.loads((run / "best" / "best.json").read_text()) == {"step": 2, "simulated_tau": 2.4}
+
+
 def test_bf16_with_zero_stage_2(stories, tmp_path, data_file, examples):
     cfg = load_config(
         write_config(tmp_path, stories, data_file, precision="bf16", zero_stage=2, max_steps=3, micro_batch_size=8)
@@ -285,13 +325,22 @@ def test_cli_trains_two_steps(stories, tmp_path, examples):
         )
     )
     result = subprocess.run(
-        [sys.executable, "-m", "specgraft.train", str(config), "training.max_steps=2", "training.micro_batch_size=4"],
+        [sys.executable, "-m", "specgraft.train", str(config), "training.max_steps=2", "training.micro_batch_size=4",
+         "training.eval_every=1", "data.eval_fraction=0.2"],
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     curve = losses(tmp_path / "run")
     assert sorted(curve) == [1, 2] and all(math.isfinite(v) for v in curve.values())
     assert json.loads((tmp_path / "run" / "head" / "config.json").read_text())["head"]["num_heads"] == 2
+    # Each evaluation simulates a chain as deep as the recipe's tree (chain:5 by default) on the held-out split,
+    # and the best one's head is kept, loadable, beside the last.
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    simulated = {r["step"]: r["eval/simulated_tau"] for r in records if "eval/simulated_tau" in r}
+    assert sorted(simulated) == [1, 2] and all(1.0 <= v <= 6.0 for v in simulated.values()), simulated
+    best = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
+    assert best["simulated_tau"] == max(simulated.values()) and simulated[best["step"]] == best["simulated_tau"]
+    assert isinstance(load_drafter(tmp_path / "run" / "best", stories), MedusaDrafter)
 
 
 def test_cli_reports_a_config_error_before_loading_anything(tmp_path, stories):

@@ -1,10 +1,17 @@
-"""Evaluation of a draft head: per-depth accuracy and the real mean accepted length.
+"""Evaluation of a draft head: per-depth accuracy, simulated tau, and the real mean accepted length.
 
 Per-depth accuracy is teacher-forced on the target's own greedy path: at a
 held-out position the target's next `depth` greedy tokens are computed, the
 drafter drafts a chain forced onto them, and depth d counts a top-1 (top-5)
 hit when the target's d-th token is the drafter's first (among its first
 five) choice there. This works for every drafter with a step function.
+
+The same forced chains give the simulated tau (SpecForge's "simulated
+acceptance length"): greedy verification of a chain accepts the drafter's
+top-1 tokens up to its first miss, and along the target's own path the
+drafter's top-1 at depth d is what it would have drafted had depths 1..d-1
+been accepted. So 1 + the leading top-1 hits of a forced chain is exactly
+the length a greedy chain of that depth commits there, without generating.
 The mean accepted length comes from running `SpeculativeGenerator` greedily.
 """
 
@@ -62,10 +69,20 @@ def greedy_path(target: Target, prefix: Sequence[int], depth: int) -> list[int]:
 
 
 def depth_accuracy(
-    drafter: Drafter, target: Target, sequences: Sequence[Sequence[int]], *, depth: int = 5, positions: int = 4
-) -> dict[str, list[float]]:
-    """Teacher-forced top-1 / top-5 accuracy per depth on the target's greedy path (see module doc)."""
+    drafter: Drafter,
+    target: Target,
+    sequences: Sequence[Sequence[int]],
+    *,
+    depth: int = 5,
+    positions: int = 4,
+    chain_depth: int | None = None,
+) -> dict[str, list[float] | float]:
+    """Teacher-forced top-1 / top-5 accuracy per depth on the target's greedy path, and the simulated tau of a
+    greedy chain ``chain_depth`` deep (default ``depth``; see module doc)."""
+    chain_depth = depth if chain_depth is None else chain_depth
+    depth = max(depth, chain_depth)
     hits1, hits5, counts = [0] * depth, [0] * depth, [0] * depth
+    accepted, chains = 0, 0
     for seq in sequences:
         seq = list(seq)
         if len(seq) < 4:
@@ -85,15 +102,20 @@ def depth_accuracy(
             state = drafter.start(torch.tensor(prefix, device=target.device), {i: h[0] for i, h in out.hidden.items()})
             policy = ForcedChain(path)
             state.propose(root, policy, depth)
+            leading = True
             for d, logp in enumerate(policy.recorded):
                 top5 = logp.topk(5).indices.tolist()
                 hits1[d] += int(top5[0] == path[d])
                 hits5[d] += int(path[d] in top5)
                 counts[d] += 1
+                leading = leading and top5[0] == path[d]
+                accepted += int(leading and d < chain_depth)
+            chains += 1
     reached = [d for d in range(depth) if counts[d]]  # a drafter may draft fewer levels (Medusa: its heads)
     return {
         "top1": [hits1[d] / counts[d] for d in reached],
         "top5": [hits5[d] / counts[d] for d in reached],
+        "simulated_tau": 1 + accepted / chains if chains else 0.0,
     }
 
 
@@ -139,7 +161,8 @@ def make_head_evaluator(
     max_new_tokens: int = 128,
     depth: int = 5,
 ) -> Callable[[nn.Module], dict[str, float]]:
-    """A callback for the trainer: head module -> metrics (per-depth accuracy, tau)."""
+    """A callback for the trainer: head module -> metrics (per-depth accuracy, simulated tau of a chain as deep
+    as ``tree``, real tau on ``prompts``)."""
     policy = parse_tree_spec(tree)
 
     def evaluate(head: nn.Module) -> dict[str, float]:
@@ -149,10 +172,11 @@ def make_head_evaluator(
             drafter = as_drafter(head, target)
             metrics: dict[str, float] = {}
             if heldout:
-                acc = depth_accuracy(drafter, target, heldout, depth=depth)
+                acc = depth_accuracy(drafter, target, heldout, depth=depth, chain_depth=policy.max_depth)
                 for d, (a1, a5) in enumerate(zip(acc["top1"], acc["top5"]), start=1):
                     metrics[f"depth{d}_top1"] = a1
                     metrics[f"depth{d}_top5"] = a5
+                metrics["simulated_tau"] = acc["simulated_tau"]
             if prompts:
                 metrics.update(mean_accepted_length(target, drafter, policy, prompts, max_new_tokens))
             return metrics

@@ -22,6 +22,12 @@ the data position follows from the step, because the data order is a pure
 function of (seed, epoch). DeepSpeed writes into ``checkpoints/.partial``
 and rank 0 renames the finished directory into place, so any ``step_*``
 directory is complete. Several nodes need a shared ``output_dir``.
+
+The last step's head is exported to ``output_dir/head``. Every evaluation
+that reports ``simulated_tau`` (the held-out split's, see
+`specgraft.train.evaluate`) and beats the earlier ones also saves the head
+to ``output_dir/best``, with ``best.json`` naming its step and value: a head
+that overfits late is not lost.
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"  # DeepSpeed writes a checkpoint here; only a finished one is renamed out
 STEP_DIR = re.compile(r"step_(\d+)")
 STATE_FILE = "trainer_state.json"
+BEST = "best"  # output_dir/best: the head with the highest BEST_METRIC of any evaluation
+BEST_METRIC = "simulated_tau"
+BEST_FILE = "best.json"  # in best/: the step and value it was chosen at
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -229,6 +238,7 @@ class Trainer:
         self.output_dir = Path(cfg.training.output_dir)
         self.step = 0  # optimizer steps done
         self.history: list[dict[str, float]] = []  # rank 0's logged records
+        self.best: dict[str, float] | None = None  # rank 0: {"step", BEST_METRIC} of the head in output_dir/best
         self.final_metrics: dict[str, float] = {}
         self.env: DistEnv | None = None
         self._wandb = None
@@ -311,6 +321,13 @@ class Trainer:
                 # Starting over: an old run's later checkpoints would otherwise win the next resume=auto.
                 log.warning("training.resume=never: removing earlier checkpoints in %s", self.output_dir / CHECKPOINTS)
                 shutil.rmtree(self.output_dir / CHECKPOINTS)
+            best = self.output_dir / BEST
+            if not best.exists() and best.with_name(BEST + ".old").exists():  # a crash between the swap's renames
+                os.replace(best.with_name(BEST + ".old"), best)
+            if self.cfg.training.resume == "never":
+                shutil.rmtree(best, ignore_errors=True)  # an old run's best would outrank this run's
+            elif (best / BEST_FILE).is_file():
+                self.best = json.loads((best / BEST_FILE).read_text())
             (self.output_dir / "config.yaml").write_text(dump_config(self.cfg))
         dist.barrier()
 
@@ -484,7 +501,28 @@ class Trainer:
             self.head.train()
             self._record({"step": self.step, **{f"eval/{k}": float(v) for k, v in metrics.items()}})
             self._progress.write(f"step {self.step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            self._keep_best(metrics)
         dist.barrier()
+
+    def _keep_best(self, metrics: Mapping[str, float]) -> None:
+        """Save the head to ``output_dir/best`` when this evaluation's BEST_METRIC beats every earlier one.
+
+        The new directory is written aside and swapped in by renames, so a crash leaves one whole best head.
+        """
+        value = metrics.get(BEST_METRIC)
+        if value is None or (self.best is not None and float(value) <= self.best[BEST_METRIC]):
+            return
+        self.best = {"step": self.step, BEST_METRIC: float(value)}
+        best = self.output_dir / BEST
+        partial_dir, old = best.with_name(BEST + ".partial"), best.with_name(BEST + ".old")
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        save_head(self.head, partial_dir, self.target, self._card({f"eval/{k}": v for k, v in metrics.items()}))
+        (partial_dir / BEST_FILE).write_text(json.dumps(self.best) + "\n")
+        shutil.rmtree(old, ignore_errors=True)
+        if best.exists():
+            os.replace(best, old)
+        os.replace(partial_dir, best)
+        shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ outputs
 
@@ -519,13 +557,13 @@ class Trainer:
         """Rank 0 writes the trained head to ``output_dir/head`` with a model card of config and final metrics."""
         out = self.output_dir / "head"
         if self.env.is_main:
-            save_head(self.head, out, self.target, self._card())
+            save_head(self.head, out, self.target, self._card(self.final_metrics))
             (self.output_dir / "final_metrics.json").write_text(json.dumps(self.final_metrics, indent=2) + "\n")
         dist.barrier()
         return out
 
-    def _card(self) -> str:
-        rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in self.final_metrics.items())
+    def _card(self, metrics: Mapping[str, float]) -> str:
+        rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
         batch = self.micro_batch_size * self.accumulation * self.env.world_size
         return (
             f"## Training\n\n{self.step} optimizer steps of {batch} sequences "
