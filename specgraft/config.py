@@ -72,6 +72,14 @@ class RegenerateSection(_Section):
     temperature: float = Field(1.0, ge=0.0)  # 1.0 samples the target's own distribution; 0 is greedy
     batch_size: int = Field(16, ge=1)
     seed: int = 0
+    # An OpenAI-compatible server of the target (vLLM, SGLang, `specgraft serve`): its base URL, e.g.
+    # http://10.0.0.5:8000/v1. The target's weights are then not loaded here, only its tokenizer and config.
+    endpoint: str | None = None
+    concurrency: int = Field(16, ge=1)  # requests in flight to the endpoint
+    model: str | None = None  # the endpoint's model name; None: the one model it serves
+    api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the endpoint's API key, if it needs one
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(8, ge=0)  # connection errors, timeouts, 429 and 5xx, with exponential backoff
 
 
 class DataSection(_Section):

@@ -123,10 +123,13 @@ def run_regeneration(cfg: TrainConfig) -> str:
     check_files(cfg)
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
-    target = load_target(
-        cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device, attn_implementation=cfg.target.attn_implementation,
-        threads=cfg.training.num_threads or "auto",
-    )
+    if cfg.data.regenerate.endpoint:  # the server runs the model: its tokenizer and config are all we need
+        target = tokenizer_only_target(cfg.target.path)
+    else:
+        target = load_target(
+            cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device,
+            attn_implementation=cfg.target.attn_implementation, threads=cfg.training.num_threads or "auto",
+        )
     env = init_distributed()
     try:
         return _regenerate(cfg, target, env.is_main)
@@ -167,6 +170,8 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
             dedupe=regen.dedupe,
             max_prompts=regen.max_prompts,
             held_out=HeldOut(eval_prompts, f"eval.prompts ({cfg.eval.prompts})"),
+            endpoint=_endpoint(regen, target),
+            concurrency=regen.concurrency,
         )
         log.info(
             "regenerated %d records into %s (%d already there; %d duplicates and %d outside the length limits "
@@ -175,6 +180,35 @@ def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
         )
     dist.barrier()
     return regen.output
+
+
+def _endpoint(regen, target: Target):
+    """The OpenAI-compatible client ``data.regenerate.endpoint`` names, or None to generate in process."""
+    if not regen.endpoint:
+        return None
+    from specgraft.train.endpoint import EndpointClient, api_key_from
+
+    return EndpointClient(
+        regen.endpoint, target.tokenizer, model=regen.model, api_key=api_key_from(regen.api_key_env),
+        timeout_s=regen.request_timeout_s, max_retries=regen.max_retries,
+    )
+
+
+def tokenizer_only_target(path: str) -> Target:
+    """A `Target` whose model is a shell on the meta device: the tokenizer, context length and stop ids of
+    ``path`` without loading (or allocating) its weights, for regeneration through an endpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    local = Path(path).expanduser()
+    source = str(local) if local.exists() else path
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: the config's own eos_token_id serves
+        pass
+    return Target(model, AutoTokenizer.from_pretrained(source), name=path, fast=False)
 
 
 def _evaluator(cfg: TrainConfig, target: Target, heldout: list[dict]):

@@ -25,9 +25,15 @@ length-filtered by token count; a self-written user turn must also end
 within ``self_instruct_max_tokens``. Prompts of known evaluation sets and of
 the run's own evaluation file are refused (`specgraft.train.heldout`).
 
+The target runs in process (HF `generate`, ``batch_size`` rows at a time),
+or behind an OpenAI-compatible server (``endpoint``, `specgraft.train.endpoint`:
+vLLM, SGLang, `specgraft serve`), ``concurrency`` requests in flight, each
+record's rounds one request after another.
+
 Output is a jsonl of records in `specgraft.train.data`'s normalised form,
-appended and flushed batch by batch, so `load_records` reads it back and an
-interrupted run resumes where it stopped.
+appended and flushed record by record (in process: batch by batch), so
+`load_records` reads it back and an interrupted run resumes where it
+stopped: a record is in the file whole or not at all.
 """
 
 from __future__ import annotations
@@ -35,15 +41,17 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from specgraft.model import Target
 from specgraft.train.data import detect_format, has_chat_template, normalize_record, prompt_ids
+from specgraft.train.endpoint import EndpointClient, Sampling, request_seed
 from specgraft.train.heldout import HeldOut, normalize
 
 log = logging.getLogger(__name__)
@@ -98,6 +106,8 @@ def regenerate(
     held_out: HeldOut | None = None,
     max_prompts: int | None = None,
     progress: bool = True,
+    endpoint: EndpointClient | None = None,
+    concurrency: int = 16,
 ) -> RegenerateSummary:
     """Write the target's own replies / continuations for every input to ``out_path`` (jsonl).
 
@@ -126,6 +136,9 @@ def regenerate(
         max_prompts: answer only the first this many inputs that pass the
             filters (a CPU-sized slice of a large prompt file); None: all.
         progress: show a tqdm bar.
+        endpoint: generate through this OpenAI-compatible server instead of ``target.model`` (which is then
+            not called: the target's tokenizer, context length and stop ids are all regeneration reads).
+        concurrency: with ``endpoint``, requests in flight (``batch_size`` is then unused).
 
     Raises:
         ValueError: bad sampling settings, no tokenizer, no BOS for
@@ -137,6 +150,8 @@ def regenerate(
     _check_self_instruct(target, self_instruct, self_instruct_max_tokens, temperature, min_user_tokens, max_user_tokens)
     if max_prompts is not None and max_prompts < 0:
         raise ValueError(f"max_prompts={max_prompts} must be >= 0")
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency} must be at least 1")
     out_path = Path(out_path)
     gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
     summary = RegenerateSummary(path=out_path)
@@ -159,6 +174,18 @@ def regenerate(
         torch.random.fork_rng(devices=_rng_devices(target.device), device_type=target.device.type),
     ):
         torch.manual_seed(seed)
+        if endpoint is not None:
+            remote = _Remote(endpoint, target.tokenizer, settings, seed, concurrency)
+
+            def finished(job: _Job) -> None:
+                _write([job], target.tokenizer, out, summary)
+                bar.update(1)  # written or dropped, as a batch counts in process
+
+            queue = iter(pending)
+            remote.run(lambda: next(queue, None), finished)
+            if self_wanted:
+                _remote_self_instruct(remote, target, self_wanted, self_instruct_max_tokens, gate, done, out, summary, bar)
+            return summary
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
             _run_batch(target, batch, settings)
@@ -214,6 +241,46 @@ def _self_instruct(
             "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
             "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
             wanted, sampled, summary.duplicates, summary.filtered,
+        )
+
+
+def _remote_self_instruct(
+    remote: "_Remote",
+    target: Target,
+    wanted: int,
+    user_limit: int,
+    gate: "_UserTurns",
+    done: set[str],
+    out,
+    summary: RegenerateSummary,
+    bar: tqdm,
+) -> None:
+    """`_self_instruct` through an endpoint: a new conversation starts whenever one ends, while the written and
+    in-flight ones are fewer than ``wanted``, under the same attempt cap."""
+    prefix, end_of_turn = user_turn_prefix(target.tokenizer)
+    fresh_ids = (f"{SELF_INSTRUCT_PREFIX}{k}" for k in itertools.count() if f"{SELF_INSTRUCT_PREFIX}{k}" not in done)
+    cap = wanted * SELF_INSTRUCT_ATTEMPTS
+    count = {"sampled": 0, "written": 0, "open": 0}
+
+    def next_job() -> _Job | None:  # asked again whenever a slot frees up: a dropped turn is sampled again
+        if count["written"] + count["open"] >= wanted or count["sampled"] >= cap:
+            return None
+        count["sampled"] += 1
+        count["open"] += 1
+        return _SelfInstructJob(next(fresh_ids), prefix, end_of_turn, user_limit, gate)
+
+    def finished(job: _Job) -> None:
+        count["open"] -= 1
+        written = _write([job], target.tokenizer, out, summary)
+        count["written"] += written
+        bar.update(written)
+
+    remote.run(next_job, finished)
+    if count["written"] < wanted:
+        log.warning(
+            "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
+            "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
+            wanted - count["written"], count["sampled"], summary.duplicates, summary.filtered,
         )
 
 
@@ -321,6 +388,9 @@ class _TextJob:
     def token_limit(self, max_new_tokens: int) -> int:
         return max_new_tokens
 
+    def next_messages(self) -> list[dict] | None:
+        return None  # a continuation is a completion, never a chat turn
+
     def take(self, reply: list[int], tokenizer) -> None:
         self.reply = reply
 
@@ -348,6 +418,10 @@ class _ChatJob:
 
     def token_limit(self, max_new_tokens: int) -> int:
         return max_new_tokens
+
+    def next_messages(self) -> list[dict] | None:
+        """The conversation so far, for an endpoint's chat route (`next_prompt` is the same, templated)."""
+        return self.turns[: self._next_slot()]
 
     def take(self, reply: list[int], tokenizer) -> None:
         content = tokenizer.decode(reply, skip_special_tokens=True).strip()
@@ -385,6 +459,10 @@ class _SelfInstructJob:
 
     def token_limit(self, max_new_tokens: int) -> int:
         return self.user_limit if self.user is None else max_new_tokens
+
+    def next_messages(self) -> list[dict] | None:
+        """The user turn for the chat route once it is written; before, a completion at the template's prefix."""
+        return None if self.user is None else [{"role": "user", "content": self.user}]
 
     def take(self, reply: list[int], tokenizer) -> None:
         text = tokenizer.decode(reply, skip_special_tokens=True)
@@ -534,7 +612,8 @@ class _Settings:
     max_context: int
     pad_id: int
     eos_ids: tuple[int, ...]
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)  # HF generate's
+    sampling: Sampling = field(default_factory=lambda: Sampling(temperature=1.0))  # an endpoint's
 
 
 def _generation_settings(target: Target, max_new_tokens: int, temperature: float, top_p: float) -> _Settings:
@@ -549,7 +628,7 @@ def _generation_settings(target: Target, max_new_tokens: int, temperature: float
         kwargs.update(do_sample=False)
     else:
         kwargs.update(_NEUTRAL_SAMPLING, do_sample=True, temperature=temperature, top_p=top_p)
-    return _Settings(max_new_tokens, target.max_context, pad_id, eos_ids, kwargs)
+    return _Settings(max_new_tokens, target.max_context, pad_id, eos_ids, kwargs, Sampling(temperature, top_p))
 
 
 def _run_batch(target: Target, batch: Sequence[_Job], settings: _Settings) -> None:
@@ -613,3 +692,64 @@ def _rng_devices(device: torch.device) -> list[int]:
     if device.type == "cpu":
         return []
     return [device.index if device.index is not None else 0]
+
+
+# ---------------------------------------------------------------- through an endpoint
+
+
+class _Remote:
+    """Runs jobs through an endpoint, ``concurrency`` requests in flight.
+
+    Worker threads only send requests; every job's own logic (its next prompt,
+    taking a reply, the user-turn gate, the tokenizer) runs in the calling
+    thread, so nothing but the HTTP client is shared between threads.
+    """
+
+    def __init__(self, client: EndpointClient, tokenizer, settings: _Settings, seed: int, concurrency: int) -> None:
+        self.client, self.tokenizer, self.settings = client, tokenizer, settings
+        self.seed, self.concurrency = seed, concurrency
+        self.chat = has_chat_template(tokenizer)
+
+    def run(self, next_job: Callable[[], _Job | None], finished: Callable[[_Job], None]) -> None:
+        """Jobs from ``next_job`` (None: none wanted now) to their ends, calling ``finished(job)`` as each ends,
+        in the calling thread; a free slot asks ``next_job`` again, and the run ends when nothing is in flight."""
+        inflight: dict[Future, tuple[_Job, int]] = {}
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regenerate")
+
+        def advance(job: _Job, round_: int) -> None:
+            request = self._request(job)
+            if request is None:
+                finished(job)
+                return
+            call, args = request
+            inflight[pool.submit(call, *args, request_seed(self.seed, job.id, round_))] = (job, round_)
+
+        def fill() -> None:
+            while len(inflight) < self.concurrency and (job := next_job()) is not None:
+                advance(job, 0)
+
+        try:
+            fill()
+            while inflight:
+                ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                for future in ready:
+                    job, round_ = inflight.pop(future)
+                    job.take(_until_eos(future.result(), self.settings.eos_ids), self.tokenizer)
+                    advance(job, round_ + 1)
+                fill()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _request(self, job: _Job) -> tuple[Callable, tuple] | None:
+        """The job's next request (a bound client method and its arguments but the seed), or None when it is done."""
+        prompt = job.next_prompt(self.tokenizer)
+        if prompt is None:
+            return None
+        limit = job.token_limit(self.settings.max_new_tokens)
+        if len(prompt) + limit > self.settings.max_context:
+            job.stopped = True
+            return None
+        messages = job.next_messages() if self.chat else None
+        if messages is not None:
+            return self.client.chat, (messages, limit, self.settings.sampling)
+        return self.client.complete, (prompt, limit, self.settings.sampling)
