@@ -309,3 +309,48 @@ def test_offline_training_runs_end_to_end_on_the_extracted_cache(stories, exampl
     assert not (tmp_path / "online" / "features").exists()
     assert sorted(curves["offline"]) == [1, 2]
     assert curves["offline"] == pytest.approx(curves["online"], abs=1e-5)
+
+
+def test_two_processes_extract_the_same_cache_as_one(stories, examples, tmp_path):
+    """`specgraft extract-features` under torchrun with two (gloo) ranks: each writes its share of the shards,
+    and every example's features equal a one-process extraction's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    text = tmp_path / "stories.jsonl"
+    text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
+    raw = {
+        "target": {"path": stories.name},
+        "head": {"type": "eagle"},
+        "data": {"train": str(text), "max_length": 24},
+        "training": {"micro_batch_size": 3, "num_threads": 1, "features": "offline"},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    one = run_feature_extraction(load_config(tmp_path / "recipe.yaml", [f"training.output_dir={tmp_path / 'one'}"]))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), "-m", "specgraft.cli", "extract-features", str(tmp_path / "recipe.yaml"),
+        f"training.output_dir={tmp_path / 'two'}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    two = tmp_path / "two" / "features"
+    assert len(shard_paths(two)) == 2 and len(shard_paths(one)) == 1  # a shard per rank; one process keeps one
+    cfg = load_config(tmp_path / "recipe.yaml")
+    indices = list(range(len(examples)))
+    from specgraft.train.data import TokenizedDataset, load_records
+
+    train = TokenizedDataset(load_records(str(text)), stories.tokenizer, 24).examples
+    batch = collate([train[i] for i in indices], pad_token_id=0)
+    head_layers = build_head(cfg.head, stories).hidden_layers
+    a = FeatureCache(one, stories, head_layers, examples=train).batch(indices, batch)
+    b = FeatureCache(two, stories, head_layers, examples=train).batch(indices, batch)
+    for layer in a.hidden:
+        assert torch.equal(a.hidden[layer], b.hidden[layer]), layer

@@ -41,7 +41,7 @@ from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -220,10 +220,15 @@ def extract_features(
     shard_size: int | None = None,
     batch_size: int | None = None,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
 ) -> ExtractionSummary:
     """Write (or complete) the feature cache of ``examples`` for a head reading ``hidden_layers``.
 
-    Prints the size estimate first, then computes the shards not yet on disk.
+    Prints the size estimate first, then computes the shards not yet on disk. Under several ranks
+    every rank calls this: rank 0 writes the manifest, ``barrier`` lets the others read it, and rank
+    r computes shards r, r + world_size, ... (the caller waits for all of them before reading).
 
     Args:
         cfg: the training config; reads ``training.feature_dtype`` (None: the target's dtype),
@@ -254,23 +259,33 @@ def extract_features(
             f"HF hidden_states indices run 0..{target.num_layers}"
         )
     layers = stored_layers(target, [*hidden_layers, *extra])
-    manifest = _manifest_for(out_dir, target, examples, layers, dtype, shard_size)
-    for leftover in out_dir.glob(".shard-*.tmp"):  # a killed extraction's half-written shard (one writer: rank 0)
-        leftover.unlink()
+    if rank == 0:
+        manifest = _manifest_for(out_dir, target, examples, layers, dtype, shard_size, world_size)
+    barrier()
+    if rank != 0:  # rank 0's manifest, checked against this rank's data as rank 0 checked it
+        manifest = _manifest_for(out_dir, target, examples, layers, dtype, shard_size, world_size)
     names = [SHARD_NAME.format(i) for i in range(len(manifest.shards))]
+    mine = [i for i in range(len(names)) if i % world_size == rank]
+    for i in mine:  # a killed extraction's half-written shards (each shard has one writer)
+        for leftover in out_dir.glob(f".{names[i]}.*.tmp"):
+            leftover.unlink()
     done = [_shard_is_complete(out_dir / n, a, b, manifest.key) for n, (a, b) in zip(names, manifest.shards)]
-    print(
-        f"feature cache {out_dir}: {manifest.num_examples} examples, {manifest.num_tokens} tokens x "
-        f"{len(manifest.layers)} layers {list(manifest.layers)} x {manifest.hidden_size} hidden x "
-        f"{DTYPES[manifest.dtype].itemsize} bytes ({manifest.dtype}) = {_human(manifest.estimate_bytes)} "
-        f"in {len(names)} shards ({sum(done)} already complete)",
-        flush=True,
-    )
+    if rank == 0:
+        print(
+            f"feature cache {out_dir}: {manifest.num_examples} examples, {manifest.num_tokens} tokens x "
+            f"{len(manifest.layers)} layers {list(manifest.layers)} x {manifest.hidden_size} hidden x "
+            f"{DTYPES[manifest.dtype].itemsize} bytes ({manifest.dtype}) = {_human(manifest.estimate_bytes)} "
+            f"in {len(names)} shards ({sum(done)} already complete)" + (f", over {world_size} ranks" if world_size > 1 else ""),
+            flush=True,
+        )
     batch_size = batch_size or cfg.training.micro_batch_size
-    initial = sum(b - a for (a, b), complete in zip(manifest.shards, done) if complete)
+    total = sum(manifest.shards[i][1] - manifest.shards[i][0] for i in mine)
+    initial = sum(manifest.shards[i][1] - manifest.shards[i][0] for i in mine if done[i])
     written = []
-    with tqdm(total=manifest.num_examples, initial=initial, desc="extract features", unit="seq", disable=not progress) as bar:
-        for name, (start, stop), complete in zip(names, manifest.shards, done):
+    bar = tqdm(total=total, initial=initial, desc="extract features", unit="seq", disable=not progress or rank != 0)
+    with bar:
+        for i in mine:
+            name, (start, stop), complete = names[i], manifest.shards[i], done[i]
             if complete:
                 continue
             tensors = _extract_shard(target, examples[start:stop], manifest, batch_size, check_logits=not written, bar=bar)
@@ -278,7 +293,7 @@ def extract_features(
             metadata = {"key": manifest.key, "start": str(start), "stop": str(stop), "lengths": json.dumps(lengths)}
             atomic_write(out_dir / name, lambda tmp: save_file(tensors, tmp, metadata=metadata))
             written.append(name)
-    skipped = tuple(n for n, complete in zip(names, done) if complete)
+    skipped = tuple(names[i] for i in mine if done[i])
     return ExtractionSummary(out_dir, tuple(written), skipped, manifest.estimate_bytes)
 
 
@@ -289,8 +304,10 @@ def _manifest_for(
     layers: tuple[int, ...],
     dtype: str,
     shard_size: int | None,
+    world_size: int = 1,
 ) -> Manifest:
-    """The existing manifest if it fits this run (it may store more layers), else a new one written to disk.
+    """The existing manifest if it fits this run (it may store more layers), else a new one written to disk
+    (with at least one shard per rank).
 
     Raises:
         ValueError: an existing manifest for other data, another target, without ``layers`` or in another dtype.
@@ -306,6 +323,7 @@ def _manifest_for(
     hidden_size = int(target.config.hidden_size)
     per_example = estimate_bytes(sum(lengths), len(layers), hidden_size, DTYPES[dtype]) / len(examples)
     size = shard_size or max(1, int(SHARD_BYTES // max(per_example, 1)))
+    size = min(size, -(-len(examples) // world_size))  # every rank gets shards to write
     manifest = Manifest(
         layers=layers,
         dtype=dtype,

@@ -62,8 +62,9 @@ def run_feature_extraction(cfg: TrainConfig) -> Path:
     """``specgraft extract-features CONFIG``: write the offline feature cache a ``features: offline`` run reads.
 
     Loads the target and the training split exactly as `run_training` does (regenerating first if the
-    config says so), builds the head only to learn which hidden states it reads, and extracts on rank 0
-    (resuming an interrupted cache). Returns the cache directory (``training.features_dir``).
+    config says so), builds the head only to learn which hidden states it reads, and extracts, each rank
+    its share of the shards under ``torchrun`` / ``deepspeed`` (resuming an interrupted cache). Returns
+    the cache directory (``training.features_dir``).
     """
     from specgraft.heads import build_head
     from specgraft.train.feature_cache import extract_features, features_dir
@@ -77,8 +78,9 @@ def run_feature_extraction(cfg: TrainConfig) -> Path:
         train, _ = _training_data(cfg, target, env.is_main)
         hidden_layers = build_head(cfg.head, target).hidden_layers  # the head itself is not needed
         path = features_dir(cfg)
-        if env.is_main:
-            extract_features(cfg, target, train, hidden_layers, path)
+        extract_features(
+            cfg, target, train, hidden_layers, path, rank=env.rank, world_size=env.world_size, barrier=dist.barrier
+        )
         dist.barrier()
         return path
     finally:

@@ -303,14 +303,13 @@ class Trainer:
             self._start_tracking()
 
     def _feature_cache(self) -> FeatureCache:
-        """Rank 0 extracts the offline feature cache (or completes an interrupted one); every rank then reads it.
-
-        The other ranks wait at a barrier, under the process group's timeout; for a long extraction
-        on many ranks run ``specgraft extract-features CONFIG`` first (a complete cache is reused).
-        """
+        """Every rank extracts its share of the offline feature cache's shards (or of those an interrupted
+        extraction left), then reads the whole cache."""
         path = features_dir(self.cfg)
-        if self.env.is_main:
-            extract_features(self.cfg, self.target, self.train_data, self.head.hidden_layers, path)
+        extract_features(
+            self.cfg, self.target, self.train_data, self.head.hidden_layers, path,
+            rank=self.env.rank, world_size=self.env.world_size, barrier=dist.barrier,
+        )
         dist.barrier()
         return FeatureCache(path, self.target, self.head.hidden_layers, examples=self.train_data)
 
