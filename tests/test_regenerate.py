@@ -458,3 +458,57 @@ def test_max_prompts_answers_the_first_prompts_that_pass_the_filters(scripted, t
     summary = run(target, inputs, tmp_path / "out.jsonl", max_prompts=2)
     assert (summary.written, summary.duplicates) == (2, 1)
     assert [r["id"] for r in lines(tmp_path / "out.jsonl")] == ["0", "2"]
+
+
+def test_two_processes_write_the_same_records_as_one(stories, tmp_path):
+    """`specgraft regenerate` under torchrun with two (gloo) ranks at temperature 0: each rank answers its slice
+    into its own shard, rank 0 merges them in input order, and the file equals one process's, line for line."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    openings = [f"{opening} {name}" for opening in PROMPTS for name in ("Tom", "Lily", "Sam")]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in openings))
+    config = tmp_path / "regen.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": stories.name},
+        "head": {"type": "medusa"},
+        "data": {"regenerate": {"output": str(tmp_path / "two.jsonl"), "prompts": str(prompts), "max_new_tokens": 16,
+                                "temperature": 0, "batch_size": 2, "num_from_bos": 3}},
+        "training": {"output_dir": str(tmp_path / "run"), "num_threads": 1},
+    }))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), "-m", "specgraft.cli", "regenerate", str(config),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    one = tmp_path / "one.jsonl"
+    run(stories, load_records(str(prompts)), one, max_new_tokens=16, temperature=0, num_from_bos=3)
+    assert (tmp_path / "two.jsonl").read_text() == one.read_text()
+    assert len(lines(one)) == len(openings) + 3
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("two.jsonl")) == ["two.jsonl"]  # merged
+
+
+def test_a_merge_cut_short_is_completed_without_repeats(tmp_path):
+    from specgraft.train.regeneration import merge_shards, shard_path
+
+    out = tmp_path / "out.jsonl"
+    order = [str(i) for i in range(6)]
+    for rank in range(2):
+        shard_path(out, rank, 2).write_text(
+            "".join(json.dumps({"id": i, "text": i}) + "\n" for i in order[rank::2])
+            + (json.dumps({"id": f"self-r{rank}-0", "messages": []}) + "\n")
+        )
+    out.write_text(json.dumps({"id": "0", "text": "0"}) + "\n" + '{"id": "2", "te')  # a merge killed mid-line
+    assert merge_shards(out, 2, order) == 7
+    assert [r["id"] for r in lines(out)] == ["0", "1", "2", "3", "4", "5", "self-r0-0", "self-r1-0"]
+    assert not list(tmp_path.glob("out.jsonl.rank*"))

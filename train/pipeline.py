@@ -34,7 +34,7 @@ def run_training(cfg: TrainConfig) -> Path:
     env = init_distributed()
     try:
         target = _load_target(cfg, env)
-        train, heldout = _training_data(cfg, target, env.is_main)
+        train, heldout = _training_data(cfg, target, env)
         torch.manual_seed(cfg.training.seed)  # the head's initialisation (DeepSpeed then copies rank 0's to all)
         head = build_head(cfg.head, target)
         if hasattr(head, "set_draft_vocab"):  # EAGLE-3: the most frequent target tokens of the training data
@@ -75,7 +75,7 @@ def run_feature_extraction(cfg: TrainConfig) -> Path:
     env = init_distributed()
     try:
         target = _load_target(cfg, env)
-        train, _ = _training_data(cfg, target, env.is_main)
+        train, _ = _training_data(cfg, target, env)
         hidden_layers = build_head(cfg.head, target).hidden_layers  # the head itself is not needed
         path = features_dir(cfg)
         extract_features(
@@ -99,18 +99,18 @@ def _load_target(cfg: TrainConfig, env: DistEnv) -> Target:
     return target
 
 
-def _training_data(cfg: TrainConfig, target: Target, is_main: bool) -> tuple[list[dict], list[dict]]:
+def _training_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list[dict], list[dict]]:
     """Tokenized (train, held-out) examples, after self-distillation when ``data.regenerate`` is set.
 
     The train split's order is what the trainer's indices, and the offline feature cache, refer to.
     """
     from specgraft.train import data as data_lib
 
-    source = _regenerate(cfg, target, is_main) if cfg.data.regenerate is not None else cfg.data.train
+    source = _regenerate(cfg, target, env) if cfg.data.regenerate is not None else cfg.data.train
     records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
     dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
     train, heldout = data_lib.train_eval_split(dataset.examples, cfg.data.eval_fraction, seed=cfg.training.seed)
-    if is_main:
+    if env.is_main:
         log.info(
             "%d training and %d held-out sequences from %s (%d without trained tokens dropped)",
             len(train), len(heldout), source, dataset.dropped,
@@ -125,61 +125,61 @@ def run_regeneration(cfg: TrainConfig) -> str:
     check_files(cfg)
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
-    if cfg.data.regenerate.endpoint:  # the server runs the model: its tokenizer and config are all we need
-        target = tokenizer_only_target(cfg.target.path)
-    else:
-        target = load_target(
-            cfg.target.path, dtype=cfg.target.dtype, device=cfg.target.device,
-            attn_implementation=cfg.target.attn_implementation, threads=cfg.training.num_threads or "auto",
-        )
     env = init_distributed()
     try:
-        return _regenerate(cfg, target, env.is_main)
+        if cfg.data.regenerate.endpoint:  # the server runs the model: its tokenizer and config are all we need
+            target = tokenizer_only_target(cfg.target.path)
+        else:
+            target = _load_target(cfg, env)  # each rank's own GPU under torchrun
+        return _regenerate(cfg, target, env)
     finally:
         shutdown_distributed(env)
 
 
-def _regenerate(cfg: TrainConfig, target: Target, is_main: bool) -> str:
-    """Rank 0 writes (or completes) the self-distilled data; every rank then trains on it.
-
-    The other ranks wait at a barrier, under the process group's timeout; for
-    long regenerations on many ranks run it as its own step first (the output
-    is reused when complete).
-    """
+def _regenerate(cfg: TrainConfig, target: Target, env: DistEnv) -> str:
+    """Every rank writes its slice of the self-distilled data (or completes it), rank 0 merges the slices,
+    and every rank then trains on the whole (a single process writes the output directly)."""
     from specgraft.train import data as data_lib
     from specgraft.train.evaluate import read_prompts
     from specgraft.train.heldout import HeldOut
-    from specgraft.train.regeneration import regenerate
+    from specgraft.train.regeneration import merge_shards, regenerate
 
     regen = cfg.data.regenerate
-    if is_main:
-        prompt_source = regen.prompts or cfg.data.train
-        inputs = data_lib.load_records(prompt_source, on_error=cfg.data.on_error) if prompt_source else []
-        eval_prompts = read_prompts(cfg.eval.prompts) if cfg.eval.prompts else []
-        summary = regenerate(
-            target,
-            inputs,
-            regen.output,
-            max_new_tokens=regen.max_new_tokens,
-            temperature=regen.temperature,
-            batch_size=regen.batch_size,
-            seed=regen.seed,
-            num_from_bos=regen.num_from_bos,
-            self_instruct=regen.self_instruct,
-            self_instruct_max_tokens=regen.self_instruct_max_tokens,
-            min_user_tokens=regen.min_user_tokens,
-            max_user_tokens=regen.max_user_tokens,
-            dedupe=regen.dedupe,
-            max_prompts=regen.max_prompts,
-            held_out=HeldOut(eval_prompts, f"eval.prompts ({cfg.eval.prompts})"),
-            endpoint=_endpoint(regen, target),
-            concurrency=regen.concurrency,
-        )
-        log.info(
-            "regenerated %d records into %s (%d already there; %d duplicates and %d outside the length limits "
-            "left out; %d without room in the context)",
-            summary.written, regen.output, summary.skipped, summary.duplicates, summary.filtered, summary.too_long,
-        )
+    prompt_source = regen.prompts or cfg.data.train
+    inputs = data_lib.load_records(prompt_source, on_error=cfg.data.on_error) if prompt_source else []
+    eval_prompts = read_prompts(cfg.eval.prompts) if cfg.eval.prompts else []
+    summary = regenerate(
+        target,
+        inputs,
+        regen.output,
+        max_new_tokens=regen.max_new_tokens,
+        temperature=regen.temperature,
+        batch_size=regen.batch_size,
+        seed=regen.seed,
+        num_from_bos=regen.num_from_bos,
+        self_instruct=regen.self_instruct,
+        self_instruct_max_tokens=regen.self_instruct_max_tokens,
+        min_user_tokens=regen.min_user_tokens,
+        max_user_tokens=regen.max_user_tokens,
+        dedupe=regen.dedupe,
+        max_prompts=regen.max_prompts,
+        held_out=HeldOut(eval_prompts, f"eval.prompts ({cfg.eval.prompts})"),
+        endpoint=_endpoint(regen, target),
+        concurrency=regen.concurrency,
+        rank=env.rank,
+        world_size=env.world_size,
+        progress=env.is_main,
+    )
+    log.info(
+        "rank %d: regenerated %d records into %s (%d already there; %d duplicates and %d outside the length "
+        "limits left out; %d without room in the context)",
+        env.rank, summary.written, regen.output, summary.skipped, summary.duplicates, summary.filtered,
+        summary.too_long,
+    )
+    dist.barrier()
+    if env.is_main and env.world_size > 1:
+        merged = merge_shards(regen.output, env.world_size, summary.job_ids)
+        log.info("merged %d records of %d ranks into %s", merged, env.world_size, regen.output)
     dist.barrier()
     return regen.output
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,7 @@ class RegenerateSummary:
     too_long: int = 0
     duplicates: int = 0
     filtered: int = 0
+    job_ids: list[str] = field(default_factory=list)  # every input's id in input order (all ranks'), for merging
 
 
 # A model's generation_config may carry sampling defaults (top_k=50 is HF's
@@ -108,6 +110,8 @@ def regenerate(
     progress: bool = True,
     endpoint: EndpointClient | None = None,
     concurrency: int = 16,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> RegenerateSummary:
     """Write the target's own replies / continuations for every input to ``out_path`` (jsonl).
 
@@ -139,6 +143,9 @@ def regenerate(
         endpoint: generate through this OpenAI-compatible server instead of ``target.model`` (which is then
             not called: the target's tokenizer, context length and stop ids are all regeneration reads).
         concurrency: with ``endpoint``, requests in flight (``batch_size`` is then unused).
+        rank, world_size: this process's slice of the inputs (rank, rank + world_size, ...) and share of
+            ``self_instruct``, written to `shard_path` (ids of self-instructed records carry the rank); once
+            every rank is done, one process calls `merge_shards`.
 
     Raises:
         ValueError: bad sampling settings, no tokenizer, no BOS for
@@ -152,30 +159,39 @@ def regenerate(
         raise ValueError(f"max_prompts={max_prompts} must be >= 0")
     if concurrency < 1:
         raise ValueError(f"concurrency={concurrency} must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     out_path = Path(out_path)
     gate = _UserTurns(target.tokenizer, min_user_tokens, max_user_tokens, dedupe, held_out or HeldOut())
     summary = RegenerateSummary(path=out_path)
     jobs = _jobs(target, records_or_prompts, num_from_bos, gate, summary, max_prompts)  # refuses evaluation prompts
+    summary.job_ids = [job.id for job in jobs]
+    write_path, self_prefix = out_path, SELF_INSTRUCT_PREFIX
+    if world_size > 1:  # this rank's slice, into its own shard; `merge_shards` joins them
+        jobs, write_path = jobs[rank::world_size], shard_path(out_path, rank, world_size)
+        self_prefix = f"{SELF_INSTRUCT_PREFIX}r{rank}-"
+        self_instruct = self_instruct // world_size + int(rank < self_instruct % world_size)
     if not resume:
         out_path.unlink(missing_ok=True)
-    done = _finished_ids(out_path)
+        write_path.unlink(missing_ok=True)
+    done = _finished_ids(write_path) | _finished_ids(out_path, repair=rank == 0)
     if dedupe:  # self-written user turns are random: compare them with those of earlier runs too
-        gate.remember(_existing_user_turns(out_path))
+        gate.remember(_existing_user_turns(out_path) + (_existing_user_turns(write_path) if world_size > 1 else []))
     pending = [job for job in jobs if job.id not in done]
     summary.skipped = len(jobs) - len(pending)
-    self_done = sum(1 for i in done if i.startswith(SELF_INSTRUCT_PREFIX))
+    self_done = sum(1 for i in done if i.startswith(self_prefix) and i[len(self_prefix):].isdigit())
     self_wanted = max(self_instruct - self_done, 0)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     settings = _generation_settings(target, max_new_tokens, temperature, top_p)
     total = len(jobs) + max(self_instruct, self_done)
     with (
-        out_path.open("a", encoding="utf-8") as out,
+        write_path.open("a", encoding="utf-8") as out,
         tqdm(total=total, initial=summary.skipped + self_done, desc="regenerate", unit="rec", disable=not progress) as bar,
         torch.random.fork_rng(devices=_rng_devices(target.device), device_type=target.device.type),
     ):
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + rank)
         if endpoint is not None:
-            remote = _Remote(endpoint, target.tokenizer, settings, seed, concurrency)
+            remote = _Remote(endpoint, target.tokenizer, settings, seed + rank, concurrency)
 
             def finished(job: _Job) -> None:
                 _write([job], target.tokenizer, out, summary)
@@ -184,7 +200,9 @@ def regenerate(
             queue = iter(pending)
             remote.run(lambda: next(queue, None), finished)
             if self_wanted:
-                _remote_self_instruct(remote, target, self_wanted, self_instruct_max_tokens, gate, done, out, summary, bar)
+                _remote_self_instruct(
+                    remote, target, self_wanted, self_instruct_max_tokens, gate, done, out, summary, bar, self_prefix
+                )
             return summary
         for start in range(0, len(pending), batch_size):
             batch = pending[start : start + batch_size]
@@ -192,7 +210,10 @@ def regenerate(
             _write(batch, target.tokenizer, out, summary)
             bar.update(len(batch))
         if self_wanted:
-            _self_instruct(target, self_wanted, self_instruct_max_tokens, batch_size, settings, gate, done, out, summary, bar)
+            _self_instruct(
+                target, self_wanted, self_instruct_max_tokens, batch_size, settings, gate, done, out, summary, bar,
+                self_prefix,
+            )
     return summary
 
 
@@ -223,10 +244,11 @@ def _self_instruct(
     out,
     summary: RegenerateSummary,
     bar: tqdm,
+    id_prefix: str = SELF_INSTRUCT_PREFIX,
 ) -> None:
     """Add ``wanted`` self-instructed conversations, in batches, under an attempt cap."""
     prefix, end_of_turn = user_turn_prefix(target.tokenizer)
-    fresh_ids = (f"{SELF_INSTRUCT_PREFIX}{k}" for k in itertools.count() if f"{SELF_INSTRUCT_PREFIX}{k}" not in done)
+    fresh_ids = (f"{id_prefix}{k}" for k in itertools.count() if f"{id_prefix}{k}" not in done)
     cap, sampled = wanted * SELF_INSTRUCT_ATTEMPTS, 0
     while wanted > 0 and sampled < cap:
         size = min(batch_size, wanted, cap - sampled)  # never more than still wanted: no answer is written in vain
@@ -254,11 +276,12 @@ def _remote_self_instruct(
     out,
     summary: RegenerateSummary,
     bar: tqdm,
+    id_prefix: str = SELF_INSTRUCT_PREFIX,
 ) -> None:
     """`_self_instruct` through an endpoint: a new conversation starts whenever one ends, while the written and
     in-flight ones are fewer than ``wanted``, under the same attempt cap."""
     prefix, end_of_turn = user_turn_prefix(target.tokenizer)
-    fresh_ids = (f"{SELF_INSTRUCT_PREFIX}{k}" for k in itertools.count() if f"{SELF_INSTRUCT_PREFIX}{k}" not in done)
+    fresh_ids = (f"{id_prefix}{k}" for k in itertools.count() if f"{id_prefix}{k}" not in done)
     cap = wanted * SELF_INSTRUCT_ATTEMPTS
     count = {"sampled": 0, "written": 0, "open": 0}
 
@@ -553,6 +576,44 @@ def _check_unique(ids: list[str]) -> None:
         seen[job_id] = position
 
 
+# ---------------------------------------------------------------- shards
+
+
+def shard_path(out_path: str | Path, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` of ``world_size`` writes its slice of ``out_path``'s records."""
+    out_path = Path(out_path)
+    return out_path.with_name(f"{out_path.name}.rank{rank}-of-{world_size}")
+
+
+def merge_shards(out_path: str | Path, world_size: int, order: Sequence[str]) -> int:
+    """Append every shard's records missing from ``out_path`` in input order (``order``: the inputs' ids;
+    self-instructed ones follow, by rank), then delete the shards. Returns the records appended.
+
+    Run by one process after every rank has finished. A crash part-way leaves the shards in place, and a
+    rerun appends only what is still missing, so no record is lost or written twice.
+    """
+    out_path = Path(out_path)
+    have = _finished_ids(out_path)
+    position = {job_id: i for i, job_id in enumerate(order)}
+    shards = [shard_path(out_path, rank, world_size) for rank in range(world_size)]
+    found = []
+    for rank, shard in enumerate(shards):
+        _finished_ids(shard)  # repairs a torn last line
+        if not shard.exists():
+            continue
+        for line in shard.read_text(encoding="utf-8").splitlines():
+            if line.strip() and (record_id := str(json.loads(line)["id"])) not in have:
+                have.add(record_id)
+                found.append((position.get(record_id, len(order)), rank, len(found), line))
+    with out_path.open("a", encoding="utf-8") as out:
+        out.writelines(line + "\n" for *_, line in sorted(found))
+        out.flush()
+        os.fsync(out.fileno())
+    for shard in shards:
+        shard.unlink(missing_ok=True)
+    return len(found)
+
+
 # ---------------------------------------------------------------- resume
 
 
@@ -564,14 +625,18 @@ def _existing_user_turns(path: Path) -> list[tuple[str, ...]]:
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line another process has still to repair
+            continue
         if record.get("messages"):
             keys.append(tuple(normalize(m["content"]) for m in record["messages"] if m.get("role") == "user"))
     return keys
 
 
-def _finished_ids(path: Path) -> set[str]:
-    """Ids already written to ``path``; a torn last line (a crash mid-write) is cut off the file."""
+def _finished_ids(path: Path, repair: bool = True) -> set[str]:
+    """Ids already written to ``path``; a torn last line (a crash mid-write) is cut off the file (``repair``;
+    else it is only left out: the file is another process's to repair)."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -580,6 +645,8 @@ def _finished_ids(path: Path) -> set[str]:
     for number, line in enumerate(complete.split(b"\n") if complete else [], start=1):
         if line.strip():
             ids.add(_line_id(path, number, line))
+    if tail.strip() and not repair:
+        return ids
     if tail.strip():
         try:
             ids.add(_line_id(path, complete.count(b"\n") + 2 if complete else 1, tail))
