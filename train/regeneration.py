@@ -191,7 +191,7 @@ def regenerate(
     ):
         torch.manual_seed(seed + rank)
         if endpoint is not None:
-            remote = _Remote(endpoint, target.tokenizer, settings, seed + rank, concurrency)
+            remote = _Remote(endpoint, target.tokenizer, settings, seed, concurrency)  # seeds by record id
 
             def finished(job: _Job) -> None:
                 _write([job], target.tokenizer, out, summary)
