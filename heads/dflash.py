@@ -222,9 +222,14 @@ class DFlashHead(nn.Module):
         return rms_norm(x, self.norm.weight, self.eps)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """(.., H) block outputs -> (.., V) logits through the target's lm_head."""
+        """(.., H) block outputs -> (.., V) logits through the target's lm_head.
+
+        Flattened to one (N, H) product first: F.linear on a non-contiguous (B, A, K, H) slice runs as a
+        batched product against the weight broadcast per row, measured 20x slower on CPU for SmolLM2's lm_head.
+        """
         bias = None if self.lm_head_bias is None else self.lm_head_bias.to(out.dtype)
-        return F.linear(out, self.lm_head_weight.to(out.dtype), bias)
+        flat = out.reshape(-1, out.shape[-1])
+        return F.linear(flat, self.lm_head_weight.to(out.dtype), bias).view(*out.shape[:-1], -1)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
