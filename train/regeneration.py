@@ -258,11 +258,15 @@ def _self_instruct(
         wanted -= written
         sampled += size
         bar.update(written)
-    if wanted > 0:
+    _warn_if_short(wanted, sampled, summary)
+
+
+def _warn_if_short(missing: int, sampled: int, summary: RegenerateSummary) -> None:
+    if missing > 0:
         log.warning(
             "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
             "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
-            wanted, sampled, summary.duplicates, summary.filtered,
+            missing, sampled, summary.duplicates, summary.filtered,
         )
 
 
@@ -299,12 +303,7 @@ def _remote_self_instruct(
         bar.update(written)
 
     remote.run(next_job, finished)
-    if count["written"] < wanted:
-        log.warning(
-            "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
-            "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
-            wanted - count["written"], count["sampled"], summary.duplicates, summary.filtered,
-        )
+    _warn_if_short(wanted - count["written"], count["sampled"], summary)
 
 
 def _check_settings(
