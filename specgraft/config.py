@@ -89,6 +89,9 @@ class DataSection(_Section):
     format: Literal["auto", "sharegpt", "openai", "text", "question"] = "auto"
     max_length: int = Field(2048, ge=2)  # tokens per sequence after the chat template; longer ones are cut
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # held out for per-depth accuracy, never trained on
+    # Train on this seeded share of the training split (held-out split unchanged; smaller shares nested in larger
+    # ones): to measure how much data buys how much tau before regenerating more (recipes/README.md).
+    train_fraction: float = Field(1.0, gt=0.0, le=1.0)
     on_error: Literal["raise", "skip"] = "raise"  # a malformed record stops loading, or is skipped and counted
     regenerate: RegenerateSection | None = None
 

@@ -358,3 +358,18 @@ def test_split_depends_on_the_seed():
 
 def test_split_holds_out_at_least_one_item():
     assert len(train_eval_split(list(range(5)), 0.01)[1]) == 1
+
+
+def test_subsample_keeps_nested_seeded_shares_in_input_order():
+    from specgraft.train.data import subsample
+
+    items = list(range(64))
+    eighth, quarter, half = (subsample(items, f, seed=5) for f in (1 / 8, 1 / 4, 1 / 2))
+    assert (len(eighth), len(quarter), len(half)) == (8, 16, 32)
+    assert set(eighth) < set(quarter) < set(half)
+    assert half == sorted(half)  # input order kept
+    assert subsample(items, 1.0) == items
+    assert subsample(items, 1 / 8, seed=6) != eighth
+    assert subsample(items[:3], 0.01) == [subsample(items[:3], 0.01)[0]] and len(subsample(items[:3], 0.01)) == 1
+    with pytest.raises(ValueError, match="fraction=0"):
+        subsample(items, 0)

@@ -352,3 +352,23 @@ def test_cli_reports_a_config_error_before_loading_anything(tmp_path, stories):
     )
     assert result.returncode == 2
     assert "training.epochz: unknown key (set by override 'training.epochz=2')" in result.stderr
+
+
+def test_train_fraction_trains_on_a_nested_share_and_keeps_the_held_out_split(stories, tmp_path):
+    from specgraft.train.pipeline import _training_data
+    from specgraft.train.trainer import DistEnv
+
+    env = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), created_group=False, set_env=())
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"Story {i}: the cat sat."}) + "\n" for i in range(48)))
+    config = write_config(tmp_path, stories, texts)
+    splits = {
+        f: _training_data(load_config(config, ["data.eval_fraction=0.25", f"data.train_fraction={f}"]), stories, env)
+        for f in (0.25, 0.5, 1.0)
+    }
+    (quarter, q_held), (half, h_held), (full, f_held) = splits.values()
+    assert len(full) == 36 and (len(half), len(quarter)) == (18, 9)
+    assert q_held == h_held == f_held and len(f_held) == 12  # evaluated on the same sequences at every share
+    key = lambda examples: {tuple(e["input_ids"]) for e in examples}  # noqa: E731
+    assert key(quarter) < key(half) < key(full)
+    assert not key(full) & key(f_held)

@@ -451,3 +451,19 @@ def train_eval_split(items: Sequence, eval_fraction: float, *, seed: int = 0) ->
     train = [item for i, item in enumerate(items) if i not in held_out]
     evaluation = [item for i, item in enumerate(items) if i in held_out]
     return train, evaluation
+
+
+def subsample(items: Sequence, fraction: float, *, seed: int = 0) -> list:
+    """The first ``round(fraction * n)`` items of a seeded shuffle (at least one), in their input order.
+
+    Subsets for smaller fractions lie inside those for larger ones, so a data-scaling series trains on
+    nested slices of one data set rather than on unrelated samples.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    if fraction == 1.0:
+        return list(items)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    kept = set(order[: max(round(fraction * len(items)), 1)])
+    return [item for i, item in enumerate(items) if i in kept]

@@ -110,10 +110,11 @@ def _training_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list
     records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
     dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
     train, heldout = data_lib.train_eval_split(dataset.examples, cfg.data.eval_fraction, seed=cfg.training.seed)
+    train = data_lib.subsample(train, cfg.data.train_fraction, seed=cfg.training.seed)
     if env.is_main:
         log.info(
-            "%d training and %d held-out sequences from %s (%d without trained tokens dropped)",
-            len(train), len(heldout), source, dataset.dropped,
+            "%d training and %d held-out sequences from %s (%d without trained tokens dropped; train_fraction %g)",
+            len(train), len(heldout), source, dataset.dropped, cfg.data.train_fraction,
         )
     return train, heldout
 
