@@ -1,4 +1,8 @@
-"""Self-distillation on the real stories260K target: what is written, resume, padding, EOS."""
+"""Self-distillation on the real stories260K target: what is written, resume, padding, EOS.
+
+In process, regeneration runs through specgraft's scheduler; the `hf_generate` fixture switches a test to HF
+`generate` in batches, the path of a target without the fast path (and the one the scripted tests fake).
+"""
 
 from __future__ import annotations
 
@@ -24,8 +28,30 @@ def lines(path) -> list[dict]:
 
 
 @pytest.fixture
-def generate_calls(stories, monkeypatch):
-    """Record the batch size of every `generate` call on the target."""
+def submitted(monkeypatch) -> list[list[int]]:
+    """The prompt ids of every request regeneration submits to specgraft's scheduler."""
+    from specgraft.infer.scheduler import Scheduler
+
+    prompts: list[list[int]] = []
+    real = Scheduler.submit
+
+    def spy(self, prompt, *args, **kwargs):
+        prompts.append(list(prompt))
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    return prompts
+
+
+@pytest.fixture
+def hf_generate(stories, monkeypatch):
+    """Regenerate through HF `generate` in batches: what a target without the fast path runs."""
+    monkeypatch.setattr(stories, "fast", None)
+
+
+@pytest.fixture
+def generate_calls(stories, monkeypatch, hf_generate):
+    """Record the batch size of every `generate` call on the target (HF `generate`'s path)."""
     calls: list[int] = []
     real = stories.model.generate
 
@@ -57,18 +83,10 @@ def test_prompt_continuations_extend_the_prompt(stories, tmp_path):
         assert len(stories.encode(record["text"])) > len(stories.encode(prompt))
 
 
-def test_bos_samples_are_generated_from_bos_alone(stories, tmp_path, monkeypatch):
-    seen = []
-    real = stories.model.generate
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["input_ids"][kwargs["attention_mask"].bool()].tolist())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(stories.model, "generate", spy)
+def test_bos_samples_are_generated_from_bos_alone(stories, tmp_path, submitted):
     path = tmp_path / "out.jsonl"
     run(stories, [], path, num_from_bos=2)
-    assert seen == [[stories.tokenizer.bos_token_id] * 2]
+    assert submitted == [[stories.tokenizer.bos_token_id]] * 2
     assert all(r["text"] for r in lines(path))
 
 
@@ -96,48 +114,68 @@ def test_chat_keeps_user_turns_and_rewrites_assistant_turns(stories, tmp_path):
     assert "ORIGINAL" not in out["messages"][1]["content"]
 
 
-def test_chat_template_target_is_prompted_with_its_template(stories, tmp_path, monkeypatch):
+def test_chat_template_target_is_prompted_with_its_template(stories, tmp_path, submitted):
     tokenizer = copy.deepcopy(stories.tokenizer)
     tokenizer.chat_template = CHAT_TEMPLATE
     target = Target(stories.model, tokenizer, name="stories-chat")
-    seen = []
-    real = stories.model.generate
-
-    def spy(*args, **kwargs):
-        seen.append(tokenizer.decode(kwargs["input_ids"][0]))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(stories.model, "generate", spy)
     run(target, [{"id": "c", "turns": ["Tell me a story."]}], tmp_path / "out.jsonl")
-    assert seen == ["<|user|>\nTell me a story.<|end|>\n<|assistant|>\n"]
+    assert [tokenizer.decode(p) for p in submitted] == ["<|user|>\nTell me a story.<|end|>\n<|assistant|>\n"]
 
 
-def test_chat_replies_are_written_one_round_per_turn(stories, tmp_path, generate_calls):
+def test_chat_replies_are_written_one_round_per_turn(stories, tmp_path, submitted):
+    two_turns = {"id": "a", "turns": ["Tell me a story.", "And then?"]}
+    one_turn = {"id": "b", "turns": ["Hi."]}
+    run(stories, [two_turns, one_turn], tmp_path / "out.jsonl")
+    a = next(r for r in lines(tmp_path / "out.jsonl") if r["id"] == "a")
+    first_reply = a["messages"][1]["content"]
+    assert len(submitted) == 3  # a's first turn and b's together, then a's second turn with a's first reply
+    assert first_reply and first_reply in stories.decode(submitted[2]) and "And then?" in stories.decode(submitted[2])
+
+
+def test_hf_generate_answers_the_first_turns_together_then_the_second(stories, tmp_path, generate_calls):
     two_turns = {"id": "a", "turns": ["Tell me a story.", "And then?"]}
     one_turn = {"id": "b", "turns": ["Hi."]}
     run(stories, [two_turns, one_turn], tmp_path / "out.jsonl")
     assert generate_calls == [2, 1]  # round 1 answers both first turns, round 2 only a's second
 
 
-def test_resume_skips_finished_ids(stories, tmp_path, generate_calls):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_scheduler_writes_what_hf_generate_writes_greedy_and_one_sample_per_record_at_any_batch(
+    stories, tmp_path, monkeypatch, temperature
+):
+    inputs = [*PROMPTS, {"id": "c", "turns": ["Tell me a story.", "And then?"]}]
+    settings = dict(temperature=temperature, num_from_bos=2, max_new_tokens=24, seed=3)
+    run(stories, inputs, tmp_path / "one.jsonl", batch_size=1, **settings)
+    run(stories, inputs, tmp_path / "four.jsonl", batch_size=4, **settings)
+    by_id = lambda name: {r["id"]: r for r in lines(tmp_path / name)}  # noqa: E731  (written as each ends)
+    # Each request is seeded by its record: the rows that share its steps do not change its sample.
+    assert by_id("one.jsonl") == by_id("four.jsonl") and len(by_id("one.jsonl")) == 6
+    if temperature == 0:
+        monkeypatch.setattr(stories, "fast", None)
+        run(stories, inputs, tmp_path / "hf.jsonl", batch_size=4, **settings)
+        assert by_id("hf.jsonl") == by_id("one.jsonl")
+
+
+def test_resume_skips_finished_ids(stories, tmp_path, submitted):
     path = tmp_path / "out.jsonl"
     run(stories, PROMPTS[:2], path, batch_size=4)
     before = path.read_text()
     summary = run(stories, PROMPTS, path, batch_size=4)
     assert (summary.written, summary.skipped) == (1, 2)
-    assert generate_calls == [2, 1]
+    assert [stories.decode(p) for p in submitted] == [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     assert path.read_text().startswith(before)
     assert [r["id"] for r in lines(path)] == ["0", "1", "2"]
 
 
-def test_resume_of_a_finished_file_generates_nothing(stories, tmp_path, generate_calls):
+def test_resume_of_a_finished_file_generates_nothing(stories, tmp_path, submitted):
     path = tmp_path / "out.jsonl"
     run(stories, PROMPTS, path, num_from_bos=1)
     before = path.read_bytes()
-    generate_calls.clear()
+    assert len(submitted) == 4
+    submitted.clear()
     summary = run(stories, PROMPTS, path, num_from_bos=1)
     assert (summary.written, summary.skipped) == (0, 4)
-    assert generate_calls == []
+    assert submitted == []
     assert path.read_bytes() == before
 
 
@@ -202,7 +240,7 @@ def test_greedy_continuation_matches_the_targets_own_greedy_decoding(stories, tm
     assert lines(tmp_path / "out.jsonl")[0]["text"] == stories.decode(ids)
 
 
-def test_continuation_stops_at_eos_and_drops_padding(stories, tmp_path, monkeypatch):
+def test_continuation_stops_at_eos_and_drops_padding(stories, tmp_path, monkeypatch, hf_generate):
     eos, pad = stories.tokenizer.eos_token_id, 0
     story = stories.encode("Once upon a time")[1:]
 
@@ -284,6 +322,7 @@ def scripted(chat_stories, monkeypatch):
         return torch.cat([input_ids, torch.tensor(rows)], dim=1)
 
     monkeypatch.setattr(chat_stories.model, "generate", fake_generate)
+    monkeypatch.setattr(chat_stories, "fast", None)  # HF generate's path: the job logic is every runner's
     return chat_stories, script, calls
 
 
@@ -373,7 +412,9 @@ def test_self_instruct_on_the_real_model_writes_conversations(stories, tmp_path)
     )
     target = Target(stories.model, tokenizer, name="stories-plain-chat")
     path = tmp_path / "out.jsonl"
-    summary = run(target, [], path, self_instruct=3, self_instruct_max_tokens=64, batch_size=3)
+    # A story line ends within 64 tokens about one time in four, within 128 nearly always (6 seeds: 3 of 3
+    # conversations after 3-4 attempts): the attempt cap (4 per conversation) is then out of reach.
+    summary = run(target, [], path, self_instruct=3, self_instruct_max_tokens=128, batch_size=3)
     assert summary.written == 3, summary
     for record in lines(path):
         assert [m["role"] for m in record["messages"]] == ["user", "assistant"]
@@ -416,13 +457,13 @@ def test_user_turns_outside_the_token_limits_are_left_out(scripted, tmp_path):
     assert lines(tmp_path / "out.jsonl")[0]["messages"][0]["content"] == middle
 
 
-def test_a_known_evaluation_prompt_is_refused_before_anything_is_generated_or_deleted(stories, tmp_path, generate_calls):
+def test_a_known_evaluation_prompt_is_refused_before_anything_is_generated_or_deleted(stories, tmp_path, submitted):
     inputs = [{"question": "What is 2 + 3?"}, {"question_id": 81, "turns": [MT_BENCH_81.upper()]}]
     earlier = tmp_path / "out.jsonl"
     earlier.write_text('{"id": "0", "text": "an earlier run"}\n')
     with pytest.raises(ValueError, match=r"input 1 \(id '81'\).*known evaluation set \(MT-bench"):
         run(stories, inputs, earlier, resume=False)
-    assert generate_calls == [] and earlier.read_text() == '{"id": "0", "text": "an earlier run"}\n'
+    assert submitted == [] and earlier.read_text() == '{"id": "0", "text": "an earlier run"}\n'
 
 
 def test_a_prompt_of_the_runs_own_evaluation_file_is_refused(stories, tmp_path):

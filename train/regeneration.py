@@ -25,13 +25,15 @@ length-filtered by token count; a self-written user turn must also end
 within ``self_instruct_max_tokens``. Prompts of known evaluation sets and of
 the run's own evaluation file are refused (`specgraft.train.heldout`).
 
-The target runs in process (HF `generate`, ``batch_size`` rows at a time),
-or behind an OpenAI-compatible server (``endpoint``, `specgraft.train.endpoint`:
-vLLM, SGLang, `specgraft serve`), ``concurrency`` requests in flight, each
-record's rounds one request after another.
+The target runs in process, through specgraft's scheduler (``batch_size``
+rows, a row refilled as soon as its reply ends; HF `generate` in batches for
+a target without the fast path), or behind an OpenAI-compatible server
+(``endpoint``, `specgraft.train.endpoint`: vLLM, SGLang, `specgraft serve`),
+``concurrency`` requests in flight. Each record's rounds run one after
+another.
 
 Output is a jsonl of records in `specgraft.train.data`'s normalised form,
-appended and flushed record by record (in process: batch by batch), so
+appended and flushed record by record, so
 `load_records` reads it back and an interrupted run resumes where it
 stopped: a record is in the file whole or not at all.
 """
@@ -45,7 +47,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -122,8 +124,9 @@ def regenerate(
         max_new_tokens: most tokens per reply or continuation; generation also stops at EOS.
         temperature: sampling temperature; 0 means greedy.
         top_p: nucleus sampling threshold (1.0 = off).
-        batch_size: sequences per `generate` call.
-        seed: torch seed for the whole run (the caller's RNG state is left as it was).
+        batch_size: rows generating at once in process.
+        seed: of every request's sampler (with the record's id and round), and of HF `generate`'s run
+            (the caller's RNG state is left as it was).
         resume: skip ids already in ``out_path`` (a truncated last line from a
             crash is removed); False starts the file afresh.
         num_from_bos: extra samples from BOS alone.
@@ -189,30 +192,21 @@ def regenerate(
         tqdm(total=total, initial=summary.skipped + self_done, desc="regenerate", unit="rec", disable=not progress) as bar,
         torch.random.fork_rng(devices=_rng_devices(target.device), device_type=target.device.type),
     ):
-        torch.manual_seed(seed + rank)
-        if endpoint is not None:
-            remote = _Remote(endpoint, target.tokenizer, settings, seed, concurrency)  # seeds by record id
+        torch.manual_seed(seed + rank)  # HF generate's sampling; the other runners seed each request by its record
 
-            def finished(job: _Job) -> None:
-                _write([job], target.tokenizer, out, summary)
-                bar.update(1)  # written or dropped, as a batch counts in process
+        def write(job: _Job) -> int:
+            return _write([job], target.tokenizer, out, summary)
 
-            queue = iter(pending)
-            remote.run(lambda: next(queue, None), finished)
-            if self_wanted:
-                _remote_self_instruct(
-                    remote, target, self_wanted, self_instruct_max_tokens, gate, done, out, summary, bar, self_prefix
-                )
-            return summary
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start : start + batch_size]
-            _run_batch(target, batch, settings)
-            _write(batch, target.tokenizer, out, summary)
-            bar.update(len(batch))
+        def input_done(job: _Job) -> None:
+            write(job)
+            bar.update(1)  # written or dropped
+
+        runner = _runner(target, settings, seed, batch_size, endpoint, concurrency)
+        queue = iter(pending)
+        runner.run(lambda: next(queue, None), input_done)
         if self_wanted:
             _self_instruct(
-                target, self_wanted, self_instruct_max_tokens, batch_size, settings, gate, done, out, summary, bar,
-                self_prefix,
+                runner, target, self_wanted, self_instruct_max_tokens, gate, done, write, bar, summary, self_prefix
             )
     return summary
 
@@ -234,56 +228,19 @@ def _write(batch: Sequence["_Job"], tokenizer, out, summary: RegenerateSummary) 
 
 
 def _self_instruct(
-    target: Target,
-    wanted: int,
-    user_limit: int,
-    batch_size: int,
-    settings: "_Settings",
-    gate: "_UserTurns",
-    done: set[str],
-    out,
-    summary: RegenerateSummary,
-    bar: tqdm,
-    id_prefix: str = SELF_INSTRUCT_PREFIX,
-) -> None:
-    """Add ``wanted`` self-instructed conversations, in batches, under an attempt cap."""
-    prefix, end_of_turn = user_turn_prefix(target.tokenizer)
-    fresh_ids = (f"{id_prefix}{k}" for k in itertools.count() if f"{id_prefix}{k}" not in done)
-    cap, sampled = wanted * SELF_INSTRUCT_ATTEMPTS, 0
-    while wanted > 0 and sampled < cap:
-        size = min(batch_size, wanted, cap - sampled)  # never more than still wanted: no answer is written in vain
-        batch = [_SelfInstructJob(next(fresh_ids), prefix, end_of_turn, user_limit, gate) for _ in range(size)]
-        _run_batch(target, batch, settings)
-        written = _write(batch, target.tokenizer, out, summary)
-        wanted -= written
-        sampled += size
-        bar.update(written)
-    _warn_if_short(wanted, sampled, summary)
-
-
-def _warn_if_short(missing: int, sampled: int, summary: RegenerateSummary) -> None:
-    if missing > 0:
-        log.warning(
-            "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
-            "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
-            missing, sampled, summary.duplicates, summary.filtered,
-        )
-
-
-def _remote_self_instruct(
-    remote: "_Remote",
+    runner: "_Runner",
     target: Target,
     wanted: int,
     user_limit: int,
     gate: "_UserTurns",
     done: set[str],
-    out,
-    summary: RegenerateSummary,
+    write: Callable[["_Job"], int],
     bar: tqdm,
+    summary: RegenerateSummary,
     id_prefix: str = SELF_INSTRUCT_PREFIX,
 ) -> None:
-    """`_self_instruct` through an endpoint: a new conversation starts whenever one ends, while the written and
-    in-flight ones are fewer than ``wanted``, under the same attempt cap."""
+    """Add ``wanted`` self-instructed conversations: a new one starts whenever a slot is free while the written
+    and open ones are fewer than ``wanted`` (never an answer written in vain), under an attempt cap."""
     prefix, end_of_turn = user_turn_prefix(target.tokenizer)
     fresh_ids = (f"{id_prefix}{k}" for k in itertools.count() if f"{id_prefix}{k}" not in done)
     cap = wanted * SELF_INSTRUCT_ATTEMPTS
@@ -296,14 +253,19 @@ def _remote_self_instruct(
         count["open"] += 1
         return _SelfInstructJob(next(fresh_ids), prefix, end_of_turn, user_limit, gate)
 
-    def finished(job: _Job) -> None:
+    def ended(job: _Job) -> None:
         count["open"] -= 1
-        written = _write([job], target.tokenizer, out, summary)
+        written = write(job)
         count["written"] += written
         bar.update(written)
 
-    remote.run(next_job, finished)
-    _warn_if_short(wanted - count["written"], count["sampled"], summary)
+    runner.run(next_job, ended)
+    if count["written"] < wanted:
+        log.warning(
+            "self_instruct: %d conversations short after sampling %d user turns (%d duplicates, %d outside the "
+            "token limits or unfinished); a higher temperature or a longer self_instruct_max_tokens gives more",
+            wanted - count["written"], count["sampled"], summary.duplicates, summary.filtered,
+        )
 
 
 def _check_settings(
@@ -697,31 +659,36 @@ def _generation_settings(target: Target, max_new_tokens: int, temperature: float
     return _Settings(max_new_tokens, target.max_context, pad_id, eos_ids, kwargs, Sampling(temperature, top_p))
 
 
+def _next_round(job: _Job, tokenizer, settings: _Settings, room: int) -> tuple[list[int], int] | None:
+    """The job's next prompt and its token limit; None when the job is done, or stopped for want of ``room``."""
+    prompt = job.next_prompt(tokenizer)
+    if prompt is None:
+        return None
+    limit = job.token_limit(settings.max_new_tokens)
+    if len(prompt) + limit > room:
+        job.stopped = True
+        return None
+    return prompt, limit
+
+
 def _run_batch(target: Target, batch: Sequence[_Job], settings: _Settings) -> None:
     """Generate rounds until every job in the batch is done (a conversation takes one round per reply).
 
     Within a round, jobs are grouped by their token limit (a self-written user
     turn is shorter than a reply), one `generate` call per group.
     """
-    tokenizer = target.tokenizer
     while True:
         groups: dict[int, tuple[list[_Job], list[list[int]]]] = {}
         for job in batch:
-            prompt = job.next_prompt(tokenizer)
-            if prompt is None:
-                continue
-            limit = job.token_limit(settings.max_new_tokens)
-            if len(prompt) + limit > settings.max_context:
-                job.stopped = True
-                continue
-            active, prompts = groups.setdefault(limit, ([], []))
-            active.append(job)
-            prompts.append(prompt)
+            if (request := _next_round(job, target.tokenizer, settings, settings.max_context)) is not None:
+                active, prompts = groups.setdefault(request[1], ([], []))
+                active.append(job)
+                prompts.append(request[0])
         if not groups:
             return
         for limit, (active, prompts) in groups.items():
             for job, reply in zip(active, _generate_batch(target, prompts, settings, limit)):
-                job.take(reply, tokenizer)
+                job.take(reply, target.tokenizer)
 
 
 def _generate_batch(
@@ -760,6 +727,90 @@ def _rng_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else 0]
 
 
+# ---------------------------------------------------------------- runners
+
+
+class _Runner(Protocol):
+    def run(self, next_job: Callable[[], _Job | None], finished: Callable[[_Job], None]) -> None:
+        """Jobs from ``next_job`` (None: none wanted now) to their ends, calling ``finished(job)`` as each ends, in
+        the calling thread; a free slot asks ``next_job`` again, and the run ends when nothing is left running."""
+
+
+def _runner(
+    target: Target, settings: _Settings, seed: int, batch_size: int, endpoint: EndpointClient | None, concurrency: int
+) -> _Runner:
+    """An endpoint's server; else specgraft's scheduler; else, for a target without the fast path (whose
+    scheduler rows would run one by one), HF `generate` in batches."""
+    if endpoint is not None:
+        return _Remote(endpoint, target.tokenizer, settings, seed, concurrency)
+    if target.fast is not None:
+        return _Local(target, settings, seed, batch_size)
+    return _Batched(target, settings, batch_size)
+
+
+class _Local:
+    """specgraft's own scheduler, ``batch_size`` rows: a row whose reply ends takes the next round or job at once
+    (HF `generate` holds a batch until its longest row ends).
+
+    Each request is seeded by its record and round, as an endpoint's are, so a record's sample does not depend
+    on which rows share its steps (or on the rank that writes it). Rows hold the target's context, at most
+    `DEFAULT_MAX_LEN` tokens (allocated up front): a record that needs more is dropped as too long.
+    """
+
+    def __init__(self, target: Target, settings: _Settings, seed: int, batch_size: int) -> None:
+        from specgraft.infer.scheduler import DEFAULT_MAX_LEN, Scheduler
+
+        self.room = min(settings.max_context, DEFAULT_MAX_LEN)
+        self.scheduler = Scheduler(target, max_batch_size=batch_size, max_len=self.room)
+        self.tokenizer, self.settings, self.seed, self.batch_size = target.tokenizer, settings, seed, batch_size
+
+    def run(self, next_job: Callable[[], _Job | None], finished: Callable[[_Job], None]) -> None:
+        from specgraft.infer.events import Failed, Finished
+
+        running: dict[int, tuple[_Job, int]] = {}  # scheduler handle -> (job, round)
+        sampling = self.settings.sampling
+
+        def advance(job: _Job, round_: int) -> None:
+            request = _next_round(job, self.tokenizer, self.settings, self.room)
+            if request is None:
+                finished(job)
+                return
+            prompt, limit = request
+            handle = self.scheduler.submit(
+                prompt, limit, temperature=sampling.temperature, top_p=sampling.top_p,
+                seed=request_seed(self.seed, job.id, round_), eos_token_id=self.settings.eos_ids,
+            )
+            running[handle] = (job, round_)
+
+        def fill() -> None:
+            while len(running) < self.batch_size and (job := next_job()) is not None:
+                advance(job, 0)
+
+        fill()
+        while running:
+            for event in self.scheduler.step():
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Finished):
+                    job, round_ = running.pop(event.handle)
+                    job.take(_until_eos(event.output.token_ids, self.settings.eos_ids), self.tokenizer)
+                    advance(job, round_ + 1)
+            fill()
+
+
+class _Batched:
+    """HF `generate`, ``batch_size`` jobs at a time, each batch run to its end (every round of every job)."""
+
+    def __init__(self, target: Target, settings: _Settings, batch_size: int) -> None:
+        self.target, self.settings, self.batch_size = target, settings, batch_size
+
+    def run(self, next_job: Callable[[], _Job | None], finished: Callable[[_Job], None]) -> None:
+        while batch := list(itertools.islice(iter(next_job, None), self.batch_size)):
+            _run_batch(self.target, batch, self.settings)
+            for job in batch:
+                finished(job)
+
+
 # ---------------------------------------------------------------- through an endpoint
 
 
@@ -777,8 +828,6 @@ class _Remote:
         self.chat = has_chat_template(tokenizer)
 
     def run(self, next_job: Callable[[], _Job | None], finished: Callable[[_Job], None]) -> None:
-        """Jobs from ``next_job`` (None: none wanted now) to their ends, calling ``finished(job)`` as each ends,
-        in the calling thread; a free slot asks ``next_job`` again, and the run ends when nothing is in flight."""
         inflight: dict[Future, tuple[_Job, int]] = {}
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regenerate")
 
@@ -808,13 +857,10 @@ class _Remote:
 
     def _request(self, job: _Job) -> tuple[Callable, tuple] | None:
         """The job's next request (a bound client method and its arguments but the seed), or None when it is done."""
-        prompt = job.next_prompt(self.tokenizer)
-        if prompt is None:
+        request = _next_round(job, self.tokenizer, self.settings, self.settings.max_context)
+        if request is None:
             return None
-        limit = job.token_limit(self.settings.max_new_tokens)
-        if len(prompt) + limit > self.settings.max_context:
-            job.stopped = True
-            return None
+        prompt, limit = request
         messages = job.next_messages() if self.chat else None
         if messages is not None:
             return self.client.chat, (messages, limit, self.settings.sampling)
