@@ -553,3 +553,19 @@ def test_a_merge_cut_short_is_completed_without_repeats(tmp_path):
     assert merge_shards(out, 2, order) == 7
     assert [r["id"] for r in lines(out)] == ["0", "1", "2", "3", "4", "5", "self-r0-0", "self-r1-0"]
     assert not list(tmp_path.glob("out.jsonl.rank*"))
+
+
+def test_a_merge_leaves_out_a_self_written_question_another_rank_also_wrote(tmp_path):
+    from specgraft.train.regeneration import merge_shards, shard_path
+
+    out = tmp_path / "out.jsonl"
+
+    def chat(record_id: str, question: str) -> str:
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "4."}]
+        return json.dumps({"id": record_id, "messages": messages}) + "\n"
+
+    out.write_text(chat("0", "What is 1 + 1?"))
+    shard_path(out, 0, 2).write_text(chat("self-r0-0", "What is 2 + 2?") + chat("self-r0-1", "Why?"))
+    shard_path(out, 1, 2).write_text(chat("self-r1-0", "what is  2 + 2?") + chat("self-r1-1", "what is 1 + 1?"))
+    assert merge_shards(out, 2, ["0"], dedupe=True) == 2
+    assert [r["id"] for r in lines(out)] == ["0", "self-r0-0", "self-r0-1"]

@@ -179,7 +179,7 @@ def _regenerate(cfg: TrainConfig, target: Target, env: DistEnv) -> str:
     )
     dist.barrier()
     if env.is_main and env.world_size > 1:
-        merged = merge_shards(regen.output, env.world_size, summary.job_ids)
+        merged = merge_shards(regen.output, env.world_size, summary.job_ids, dedupe=regen.dedupe)
         log.info("merged %d records of %d ranks into %s", merged, env.world_size, regen.output)
     dist.barrier()
     return regen.output

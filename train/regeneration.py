@@ -546,9 +546,13 @@ def shard_path(out_path: str | Path, rank: int, world_size: int) -> Path:
     return out_path.with_name(f"{out_path.name}.rank{rank}-of-{world_size}")
 
 
-def merge_shards(out_path: str | Path, world_size: int, order: Sequence[str]) -> int:
+def merge_shards(out_path: str | Path, world_size: int, order: Sequence[str], dedupe: bool = False) -> int:
     """Append every shard's records missing from ``out_path`` in input order (``order``: the inputs' ids;
     self-instructed ones follow, by rank), then delete the shards. Returns the records appended.
+
+    ``dedupe``: leave out a record whose user turns repeat an earlier one's. Each rank dedupes its own, and
+    the inputs were deduped before they were split, so what remains are self-written turns two ranks both
+    sampled; a rerun writes their replacements.
 
     Run by one process after every rank has finished. A crash part-way leaves the shards in place, and a
     rerun appends only what is still missing, so no record is lost or written twice.
@@ -566,13 +570,22 @@ def merge_shards(out_path: str | Path, world_size: int, order: Sequence[str]) ->
             if line.strip() and (record_id := str(json.loads(line)["id"])) not in have:
                 have.add(record_id)
                 found.append((position.get(record_id, len(order)), rank, len(found), line))
+    kept, seen = [], set(_existing_user_turns(out_path)) if dedupe else None
+    for *_, line in sorted(found):
+        if seen is not None and (key := _user_key(json.loads(line))):
+            if key in seen:
+                continue
+            seen.add(key)
+        kept.append(line)
+    if len(kept) < len(found):
+        log.info("merge: %d records repeated another rank's user turns and were left out", len(found) - len(kept))
     with out_path.open("a", encoding="utf-8") as out:
-        out.writelines(line + "\n" for *_, line in sorted(found))
+        out.writelines(line + "\n" for line in kept)
         out.flush()
         os.fsync(out.fileno())
     for shard in shards:
         shard.unlink(missing_ok=True)
-    return len(found)
+    return len(kept)
 
 
 # ---------------------------------------------------------------- resume
@@ -590,9 +603,14 @@ def _existing_user_turns(path: Path) -> list[tuple[str, ...]]:
             record = json.loads(line)
         except json.JSONDecodeError:  # a torn last line another process has still to repair
             continue
-        if record.get("messages"):
-            keys.append(tuple(normalize(m["content"]) for m in record["messages"] if m.get("role") == "user"))
+        if key := _user_key(record):
+            keys.append(key)
     return keys
+
+
+def _user_key(record: dict) -> tuple[str, ...]:
+    """A written record's dedupe key: its user turns, normalised (empty for a text record)."""
+    return tuple(normalize(m["content"]) for m in record.get("messages") or () if m.get("role") == "user")
 
 
 def _finished_ids(path: Path, repair: bool = True) -> set[str]:
