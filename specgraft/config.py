@@ -70,7 +70,10 @@ class RegenerateSection(_Section):
     dedupe: bool = True  # drop records whose user turns repeat an earlier record's (whitespace and case ignored)
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, ge=0.0)  # 1.0 samples the target's own distribution; 0 is greedy
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # rows generating at once in process
+    # In process: most tokens (prompt + reply) one row holds, its KV allocated up front for every row; None: the
+    # target's context, at most 4096. A conversation whose next round does not fit ends at its last reply.
+    max_len: int | None = Field(None, ge=2)
     seed: int = 0
     # An OpenAI-compatible server of the target (vLLM, SGLang, `specgraft serve`): its base URL, e.g.
     # http://10.0.0.5:8000/v1. The target's weights are then not loaded here, only its tokenizer and config.

@@ -569,3 +569,13 @@ def test_a_merge_leaves_out_a_self_written_question_another_rank_also_wrote(tmp_
     shard_path(out, 1, 2).write_text(chat("self-r1-0", "what is  2 + 2?") + chat("self-r1-1", "what is 1 + 1?"))
     assert merge_shards(out, 2, ["0"], dedupe=True) == 2
     assert [r["id"] for r in lines(out)] == ["0", "self-r0-0", "self-r0-1"]
+
+
+def test_a_round_past_max_len_ends_its_conversation_at_the_last_reply(stories, tmp_path, submitted):
+    two_turns = {"id": "a", "turns": ["Tell me a story.", "And then?"]}
+    long_one = {"id": "b", "turns": ["Once upon a time " * 20]}
+    first = stories.encode("user: Tell me a story.\nassistant:")  # the template-less chat format, BOS included
+    summary = run(stories, [two_turns, long_one], tmp_path / "out.jsonl", max_len=len(first) + 12)
+    assert len(submitted[0]) == len(first)  # the first round fits exactly; b's and a's second round do not
+    assert (summary.written, summary.too_long) == (1, 1)
+    assert [m["role"] for m in lines(tmp_path / "out.jsonl")[0]["messages"]] == ["user", "assistant"]

@@ -156,6 +156,7 @@ def _regenerate(cfg: TrainConfig, target: Target, env: DistEnv) -> str:
         max_new_tokens=regen.max_new_tokens,
         temperature=regen.temperature,
         batch_size=regen.batch_size,
+        max_len=regen.max_len,
         seed=regen.seed,
         num_from_bos=regen.num_from_bos,
         self_instruct=regen.self_instruct,

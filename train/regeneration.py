@@ -99,6 +99,7 @@ def regenerate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     batch_size: int = 16,
+    max_len: int | None = None,
     seed: int = 0,
     resume: bool = True,
     num_from_bos: int = 0,
@@ -125,6 +126,9 @@ def regenerate(
         temperature: sampling temperature; 0 means greedy.
         top_p: nucleus sampling threshold (1.0 = off).
         batch_size: rows generating at once in process.
+        max_len: in process, most tokens (prompt + reply) of one row (KV for every row is allocated up front);
+            None: the target's context, at most `DEFAULT_MAX_LEN`. A round that does not fit ends its record
+            at its last reply (a record with none is counted ``too_long``).
         seed: of every request's sampler (with the record's id and round), and of HF `generate`'s run
             (the caller's RNG state is left as it was).
         resume: skip ids already in ``out_path`` (a truncated last line from a
@@ -201,7 +205,7 @@ def regenerate(
             write(job)
             bar.update(1)  # written or dropped
 
-        runner = _runner(target, settings, seed, batch_size, endpoint, concurrency)
+        runner = _runner(target, settings, seed, batch_size, max_len, endpoint, concurrency)
         queue = iter(pending)
         runner.run(lambda: next(queue, None), input_done)
         if self_wanted:
@@ -415,9 +419,10 @@ class _ChatJob:
         """The conversation up to its last written reply (later turns are dropped if the context ran out)."""
         slot = self._next_slot()
         turns = self.turns if slot is None else self.turns[:slot]
-        if not any(turn["role"] == "assistant" for turn in turns):
+        replies = [i for i, turn in enumerate(turns) if turn["role"] == "assistant"]
+        if not replies:
             return None
-        return {"id": self.id, "messages": turns}
+        return {"id": self.id, "messages": turns[: replies[-1] + 1]}
 
 
 @dataclass
@@ -755,14 +760,20 @@ class _Runner(Protocol):
 
 
 def _runner(
-    target: Target, settings: _Settings, seed: int, batch_size: int, endpoint: EndpointClient | None, concurrency: int
+    target: Target,
+    settings: _Settings,
+    seed: int,
+    batch_size: int,
+    max_len: int | None,
+    endpoint: EndpointClient | None,
+    concurrency: int,
 ) -> _Runner:
     """An endpoint's server; else specgraft's scheduler; else, for a target without the fast path (whose
     scheduler rows would run one by one), HF `generate` in batches."""
     if endpoint is not None:
         return _Remote(endpoint, target.tokenizer, settings, seed, concurrency)
     if target.fast is not None:
-        return _Local(target, settings, seed, batch_size)
+        return _Local(target, settings, seed, batch_size, max_len)
     return _Batched(target, settings, batch_size)
 
 
@@ -771,14 +782,14 @@ class _Local:
     (HF `generate` holds a batch until its longest row ends).
 
     Each request is seeded by its record and round, as an endpoint's are, so a record's sample does not depend
-    on which rows share its steps (or on the rank that writes it). Rows hold the target's context, at most
-    `DEFAULT_MAX_LEN` tokens (allocated up front): a record that needs more is dropped as too long.
+    on which rows share its steps (or on the rank that writes it). A row holds ``max_len`` tokens (default:
+    the target's context, at most `DEFAULT_MAX_LEN`), allocated up front.
     """
 
-    def __init__(self, target: Target, settings: _Settings, seed: int, batch_size: int) -> None:
+    def __init__(self, target: Target, settings: _Settings, seed: int, batch_size: int, max_len: int | None) -> None:
         from specgraft.infer.scheduler import DEFAULT_MAX_LEN, Scheduler
 
-        self.room = min(settings.max_context, DEFAULT_MAX_LEN)
+        self.room = min(settings.max_context, max_len or DEFAULT_MAX_LEN)
         self.scheduler = Scheduler(target, max_batch_size=batch_size, max_len=self.room)
         self.tokenizer, self.settings, self.seed, self.batch_size = target.tokenizer, settings, seed, batch_size
 
