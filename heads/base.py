@@ -129,13 +129,20 @@ class TrainBatch:
         loss_mask: (B, T) 1.0 where position t's token is one the model should learn
             to predict (assistant tokens, not padding), else 0.0.
         hidden: HF hidden_states index -> (B, T, H) target states (the layers the head asked for).
-        target_logits: (B, T, V) the target's logits at every position (predicting position t + 1).
+        target_logits: (B, T, V) the target's logits at every position (predicting position t + 1); None for
+            a head whose `uses_target_logits` is False.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     hidden: dict[int, torch.Tensor]
-    target_logits: torch.Tensor
+    target_logits: torch.Tensor | None
+
+
+def uses_target_logits(head: object) -> bool:
+    """Whether ``head``'s loss reads `TrainBatch.target_logits` (a head says False with a ``uses_target_logits``
+    attribute; the (B, T, V) logits are then neither computed nor rebuilt)."""
+    return bool(getattr(head, "uses_target_logits", True))
 
 
 @runtime_checkable

@@ -246,6 +246,11 @@ class DFlashHead(nn.Module):
         )
 
     # -- training -----------------------------------------------------------------------------------
+    @property
+    def uses_target_logits(self) -> bool:
+        """Soft labels read the target's logits; token labels need only the tokens."""
+        return self.config.labels != "tokens"
+
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Weighted cross-entropy of every block slot k >= 1 against the token k places after its anchor."""
         ids, loss_mask = batch.input_ids, batch.loss_mask

@@ -176,6 +176,33 @@ def test_rebuilt_logits_are_bitwise_the_targets_own(stories, examples, tmp_path)
     assert torch.equal(offline.hidden[2][~real], torch.zeros_like(online.hidden[2][~real]))  # padding: zeros, masked
 
 
+def test_a_head_that_trains_on_tokens_alone_gets_no_logits_and_the_same_loss(stories, examples, tmp_path):
+    """DFlash with token labels: neither the online forward nor the cache builds (B, T, V) logits, and its loss
+    is what it was with them."""
+    from specgraft.heads.base import uses_target_logits
+    from specgraft.heads.configs import DFlashConfig
+
+    torch.manual_seed(0)
+    head = build_head(DFlashConfig(block_size=4, num_layers=1, num_anchors=4), stories)
+    assert not uses_target_logits(head) and uses_target_logits(build_head(EagleConfig(), stories))
+    cache = tmp_path / "features"
+    extract_features(config(tmp_path, stories), stories, examples, head.hidden_layers, cache, progress=False)
+    indices = [0, 3, 5]
+    batch = collate([examples[i] for i in indices], pad_token_id=0)
+    with_logits = target_batch(stories, batch, head.hidden_layers)
+    losses = []
+    for features in (
+        with_logits,
+        target_batch(stories, batch, head.hidden_layers, logits=False),
+        FeatureCache(cache, stories, head.hidden_layers, examples=examples, logits=False).batch(indices, batch),
+    ):
+        if features is not with_logits:
+            assert features.target_logits is None
+        torch.manual_seed(1)  # the anchors
+        losses.append(head.loss(features)[0].item())
+    assert losses[1] == losses[0] and losses[2] == pytest.approx(losses[0], abs=1e-5)
+
+
 def test_scaled_logits_are_refused(stories, examples, tmp_path):
     model = copy.deepcopy(stories.model)
 

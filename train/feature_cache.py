@@ -429,6 +429,8 @@ class FeatureCache:
         target: the frozen target; must be the one the cache was extracted from.
         hidden_layers: HF hidden_states indices the head reads.
         examples: the training examples, when given, must be the ones the cache was extracted for.
+        logits: rebuild the target's logits (False for a head that trains on tokens alone: its batches carry
+            ``target_logits=None``, and the final layer is read only if the head reads it).
 
     Raises:
         FileNotFoundError: no manifest, or missing shards (an interrupted extraction: rerun it, it resumes).
@@ -442,17 +444,19 @@ class FeatureCache:
         hidden_layers: Sequence[int],
         *,
         examples: Sequence[Mapping[str, Any]] | None = None,
+        logits: bool = True,
     ) -> None:
         self.path = Path(path)
         self.target = target
         self.requested = tuple(hidden_layers)
+        self.logits = logits
         self.manifest = Manifest.read(self.path)
         needed = stored_layers(target, self.requested)
         fingerprint = data_fingerprint(examples) if examples is not None else None
         _refuse(self.path, self.manifest.mismatches(
             target, layers=needed, fingerprint=fingerprint, num_examples=None if examples is None else len(examples)
         ))
-        self.layers = needed  # the ones read: the head's and the final one
+        self.layers = needed if logits else self.requested  # the ones read: the head's, and the final one for logits
         missing = [SHARD_NAME.format(i) for i in range(len(self.manifest.shards)) if not (self.path / SHARD_NAME.format(i)).is_file()]
         if missing:
             raise FileNotFoundError(
@@ -506,8 +510,10 @@ class FeatureCache:
                 hidden[layer][row, :n] = handle.get_slice(f"layer.{layer}")[first : first + n]
         device = self.target.device
         hidden = {layer: h.to(device).to(self.target.dtype) for layer, h in hidden.items()}
-        with torch.no_grad():
-            logits = _logits(self.target, hidden[self.target.num_layers])  # (B, T, V)
+        logits = None
+        if self.logits:
+            with torch.no_grad():
+                logits = _logits(self.target, hidden[self.target.num_layers])  # (B, T, V)
         return TrainBatch(
             input_ids=batch["input_ids"].to(device),
             loss_mask=batch["loss_mask"].to(device=device, dtype=torch.float32),

@@ -28,7 +28,9 @@ def check_layers(target: Target, hidden_layers: Sequence[int]) -> None:
         )
 
 
-def target_batch(target: Target, batch: Mapping[str, torch.Tensor], hidden_layers: Sequence[int]) -> TrainBatch:
+def target_batch(
+    target: Target, batch: Mapping[str, torch.Tensor], hidden_layers: Sequence[int], logits: bool = True
+) -> TrainBatch:
     """Run the frozen target over a collated batch and package what a head trains on.
 
     Args:
@@ -37,6 +39,8 @@ def target_batch(target: Target, batch: Mapping[str, torch.Tensor], hidden_layer
             ``loss_mask`` (B, T) 1 where a token should be learned.
         hidden_layers: HF ``hidden_states`` indices the head reads (0 = embeddings,
             num_layers = after the final norm).
+        logits: keep the target's logits (False for a head that trains on tokens alone: the output layer then
+            runs on the last position only, and ``target_logits`` is None).
 
     Returns:
         A `TrainBatch` on the target's device: hidden (B, T, H) per layer in the
@@ -61,11 +65,12 @@ def target_batch(target: Target, batch: Mapping[str, torch.Tensor], hidden_layer
             attention_mask=attention_mask,
             output_hidden_states=bool(hidden_layers),
             use_cache=False,
+            **({} if logits else {"logits_to_keep": 1}),
         )
     hidden = {i: out.hidden_states[i] for i in hidden_layers}
     return TrainBatch(
         input_ids=input_ids,
         loss_mask=batch["loss_mask"].to(device=device, dtype=torch.float32),
         hidden=hidden,
-        target_logits=out.logits.float(),
+        target_logits=out.logits.float() if logits else None,
     )

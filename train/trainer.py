@@ -56,7 +56,7 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
-from specgraft.heads.base import TrainableHead
+from specgraft.heads.base import TrainableHead, uses_target_logits
 from specgraft.heads.checkpoint import save_head
 from specgraft.model import Target
 from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
@@ -293,7 +293,8 @@ class Trainer:
         if t.features == "offline":
             self._features = self._feature_cache().batch
         else:
-            self._features = lambda indices, batch: target_batch(self.target, batch, self.head.hidden_layers)
+            logits = uses_target_logits(self.head)
+            self._features = lambda indices, batch: target_batch(self.target, batch, self.head.hidden_layers, logits)
         self._prepare_output()
         checkpoint = self._checkpoint_to_resume()
         if checkpoint is not None:
@@ -311,7 +312,9 @@ class Trainer:
             rank=self.env.rank, world_size=self.env.world_size, barrier=dist.barrier,
         )
         dist.barrier()
-        return FeatureCache(path, self.target, self.head.hidden_layers, examples=self.train_data)
+        return FeatureCache(
+            path, self.target, self.head.hidden_layers, examples=self.train_data, logits=uses_target_logits(self.head)
+        )
 
     def _prepare_output(self) -> None:
         if self.env.is_main:
