@@ -65,7 +65,7 @@ def target_batch(
             attention_mask=attention_mask,
             output_hidden_states=bool(hidden_layers),
             use_cache=False,
-            **({} if logits else {"logits_to_keep": 1}),
+            logits_to_keep=0 if logits else 1,  # 0: every position's logits
         )
     hidden = {i: out.hidden_states[i] for i in hidden_layers}
     return TrainBatch(

@@ -572,12 +572,15 @@ def merge_shards(out_path: str | Path, world_size: int, order: Sequence[str], de
         if not shard.exists():
             continue
         for line in shard.read_text(encoding="utf-8").splitlines():
-            if line.strip() and (record_id := str(json.loads(line)["id"])) not in have:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if (record_id := str(record["id"])) not in have:
                 have.add(record_id)
-                found.append((position.get(record_id, len(order)), rank, len(found), line))
+                found.append((position.get(record_id, len(order)), rank, len(found), line, _user_key(record)))
     kept, seen = [], set(_existing_user_turns(out_path)) if dedupe else None
-    for *_, line in sorted(found):
-        if seen is not None and (key := _user_key(json.loads(line))):
+    for *_, line, key in sorted(found):
+        if seen is not None and key:
             if key in seen:
                 continue
             seen.add(key)
