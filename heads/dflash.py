@@ -345,9 +345,12 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def block_logp(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> torch.Tensor:
-        """(B, K - 1, V) draft log-probs of depths 1..K-1 for every request: each row's context catch-up, then
-        every row's block in one forward."""
+        """(B, D, V) draft log-probs of depths 1..D for every request: each row's context catch-up, then every
+        row's block in one forward. D is the deepest any request drafts (at most K - 1): the whole block runs,
+        as trained, but only the slots a tree can use go through the lm_head, most of a draft's cost for a
+        large vocabulary (SmolLM2's 49K rows a slot)."""
         head = self.head
+        depth = min(head.block_size - 1, max(min(r.max_depth, r.policy.max_depth) for r in requests))
         states = [r.state for r in requests]
         self._catch_up(states)
         lengths = [len(s.cache) for s in states]  # context positions: the root sits at position `length`
@@ -365,7 +368,7 @@ class DFlashDrafter:
         out = head.run_block(x, cos[:, None], sin[:, None], context, sees)[:, 0]  # (B, K, H)
         for state in states:
             state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward
-        return head.logits(out[:, 1:]).float().log_softmax(-1)  # slot k drafts depth k
+        return head.logits(out[:, 1 : depth + 1]).float().log_softmax(-1)  # slot k drafts depth k
 
     def _catch_up(self, states: list[DFlashDraftState]) -> None:
         """Project the committed states no cache holds yet into every layer's context keys and values."""

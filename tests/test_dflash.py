@@ -119,7 +119,7 @@ class Capture:
     """A policy that records the distribution of every depth the drafter offers, and drafts nothing."""
 
     def __init__(self, depth: int) -> None:
-        self.depth, self.seen = depth, []
+        self.depth, self.max_depth, self.seen = depth, depth, []
 
     def grow(self, step, root_token, max_depth=None, device="cpu", sampling=None):
         n = max_depth  # a chain: node d at depth d
@@ -168,6 +168,24 @@ def test_one_forward_for_every_row_equals_each_alone(target):
         assert torch.allclose(together[i], single, atol=1e-5)
         assert torch.allclose(together_all[r], single, atol=1e-5)
     assert rows.lengths(3) == [3, 9, 6]  # the blocks left nothing in the cache
+
+
+def test_only_the_slots_a_tree_reaches_are_drafted(target):
+    """A shallower tree gets the same distributions for its depths, the whole block having run: fewer slots
+    through the lm_head, never different ones."""
+    head = random_head(target, block_size=6)
+    drafter = DFlashDrafter(head, target)
+    ids = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = target.model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    state = drafter.start(ids, {i: hidden[i][0] for i in head.hidden_layers})
+    request = sg.heads.base.DraftRequest
+    full = drafter.block_logp([request(state, 7, sg.Chain(5), 5)], None)[0]
+    assert full.shape[0] == 5
+    for policy, max_depth, depth in ((sg.Chain(2), 5, 2), (sg.Chain(5), 3, 3), (sg.Chain(9), 9, 5)):
+        part = drafter.block_logp([request(state, 7, policy, max_depth)], None)[0]
+        assert part.shape[0] == depth
+        assert torch.allclose(part, full[:depth], atol=1e-6)
 
 
 @pytest.mark.parametrize("tree", [sg.Chain(5), sg.DynamicTree(top_k=3, depth=5, budget=12), sg.Adaptive()],
