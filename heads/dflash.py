@@ -183,8 +183,9 @@ class DFlashHead(nn.Module):
         """The decoder layers over (B, A, K, H) blocks' embeddings -> (B, A, K, H) outputs after the final norm.
 
         Each block attends to the context positions ``sees`` allows and to all of its own slots, never to
-        another block: the attention is written out per block (scores over S + K keys, not S + A K), so a
-        training step over every anchor of a sequence stays linear in the anchors.
+        another block: one fused SDPA over [context ; every block] keys under that mask. Measured on this CPU
+        (fwd + bwd of one layer, SmolLM2's and stories260K's shapes) 1.5-2x faster than scores written out per
+        block, whose (.., A, K, S + K) tensors and their slices dominated a training step.
 
         Args:
             cos, sin: (B, A, K, D) at the block slots' positions.
@@ -192,31 +193,20 @@ class DFlashHead(nn.Module):
             sees: (B, A, S) bool, the context positions each block sees; None: all of them.
         """
         b, a, k_size, _ = x.shape
-        groups = self.num_heads // self.num_kv
-        bias = None if sees is None else torch.zeros(sees.shape, dtype=x.dtype, device=x.device).masked_fill(
-            ~sees, torch.finfo(x.dtype).min)[:, None, None, :, None]  # (B, 1, 1, A, 1, S)
+        mask = block_mask(sees, a, k_size, b, context[0][0].shape[2], x.device)
         cos, sin = cos.reshape(b, a * k_size, -1), sin.reshape(b, a * k_size, -1)
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             attn = layer.self_attn
             h = rms_norm(x, layer.input_layernorm.weight, self.eps).view(b, a * k_size, -1)
             q = F.linear(h, attn.q_proj.weight).view(b, a * k_size, self.num_heads, self.head_dim)
             k = F.linear(h, attn.k_proj.weight).view(b, a * k_size, self.num_kv, self.head_dim)
-            v = F.linear(h, attn.v_proj.weight).view(b, a, k_size, self.num_kv, self.head_dim)
-            q = _rotate(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
-            k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
+            v = F.linear(h, attn.v_proj.weight).view(b, a * k_size, self.num_kv, self.head_dim)
+            q = _rotate(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin).transpose(1, 2)  # (B, Hq, A K, D)
+            k = _rotate(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin).transpose(1, 2)  # (B, Hkv, A K, D)
+            keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
             # Query head n * G + g reads key/value head n (grouped-query attention, as HF repeats them).
-            q = q.view(b, a, k_size, self.num_kv, groups, self.head_dim).permute(0, 3, 4, 1, 2, 5)  # (B, Hkv, G, A, K, D)
-            k = k.view(b, a, k_size, self.num_kv, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, Hkv, A, K, D)
-            v = v.permute(0, 3, 1, 2, 4)
-            scale = self.head_dim**-0.5
-            to_context = torch.einsum("bngakd,bnsd->bngaks", q, ctx_k) * scale
-            if bias is not None:
-                to_context = to_context + bias
-            to_block = torch.einsum("bngakd,bnajd->bngakj", q, k) * scale
-            p = torch.cat([to_context, to_block], dim=-1).float().softmax(-1).to(q.dtype)
-            s = ctx_k.shape[2]
-            out = torch.einsum("bngaks,bnsd->bngakd", p[..., :s], ctx_v) + torch.einsum("bngakj,bnajd->bngakd", p[..., s:], v)
-            out = out.permute(0, 3, 4, 1, 2, 5).reshape(b, a, k_size, -1)  # (B, A, K, Hq * D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv)
+            out = out.transpose(1, 2).reshape(b, a, k_size, -1)  # (B, A, K, Hq * D)
             x = x + F.linear(out, attn.o_proj.weight)
             x = x + layer.mlp(rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         return rms_norm(x, self.norm.weight, self.eps)
@@ -312,6 +302,16 @@ def sample_anchors(loss_mask: torch.Tensor, count: int) -> tuple[torch.Tensor, t
     anchors = torch.where(keep, picked, torch.zeros_like(picked))
     order = torch.where(keep, anchors, s).argsort(1)  # real anchors ascending, padding last
     return anchors.gather(1, order), keep.gather(1, order)
+
+
+def block_mask(sees: torch.Tensor | None, a: int, k_size: int, b: int, s: int, device) -> torch.Tensor | None:
+    """(B, 1, A K, S + A K) bool: block slots see their block's context positions (``sees``, (B, A, S); None:
+    all) and their own block's slots, no other block's. None where everything is visible (one block, no sees)."""
+    if sees is None and a == 1:
+        return None
+    to_context = torch.ones(b, a, s, dtype=torch.bool, device=device) if sees is None else sees
+    own = torch.eye(a, dtype=torch.bool, device=device).repeat_interleave(k_size, 0).repeat_interleave(k_size, 1)
+    return torch.cat([to_context.repeat_interleave(k_size, 1), own.expand(b, -1, -1)], dim=2)[:, None]
 
 
 def context_visibility(anchors: torch.Tensor, keep: torch.Tensor, context: int) -> torch.Tensor:

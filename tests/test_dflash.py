@@ -84,6 +84,49 @@ def test_blocks_never_see_each_other(target):
     assert not torch.allclose(out[0, 1], out2[0, 1], atol=1e-3)
 
 
+def written_out_block(head, x, cos, sin, kv, sees):
+    """`run_block` for one layer written out block by block and head by head: the reference it must equal."""
+    layer, (ctx_k, ctx_v) = head.layers[0], kv[0]
+    attn, eps, d = layer.self_attn, head.eps, head.head_dim
+    outs = []
+    for blk in range(x.shape[1]):
+        xb = x[0, blk]  # (K, H)
+        h = sg.model.rms_norm(xb, layer.input_layernorm.weight, eps)
+        q = sg.model.rms_norm((h @ attn.q_proj.weight.T).view(-1, head.num_heads, d), attn.q_norm.weight, eps)
+        k = sg.model.rms_norm((h @ attn.k_proj.weight.T).view(-1, head.num_kv, d), attn.k_norm.weight, eps)
+        v = (h @ attn.v_proj.weight.T).view(-1, head.num_kv, d)
+        rot = lambda t: t * cos[0, blk][:, None] + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin[0, blk][:, None]
+        q, k = rot(q), rot(k)
+        seen = sees[0, blk]
+        heads = []
+        for n in range(head.num_heads):
+            kv_head = n // (head.num_heads // head.num_kv)
+            keys = torch.cat([ctx_k[0, kv_head][seen], k[:, kv_head]])
+            values = torch.cat([ctx_v[0, kv_head][seen], v[:, kv_head]])
+            heads.append(torch.softmax(q[:, n] @ keys.T / d**0.5, -1) @ values)
+        xb = xb + torch.cat(heads, -1) @ attn.o_proj.weight.T
+        xb = xb + layer.mlp(sg.model.rms_norm(xb, layer.post_attention_layernorm.weight, eps))
+        outs.append(sg.model.rms_norm(xb, head.norm.weight, eps))
+    return torch.stack(outs)[None]
+
+
+def test_block_attention_equals_it_written_out(target):
+    """The fused masked attention over [context ; all blocks] is each block's own attention over its visible context
+    and its slots (grouped-query heads, q_norm / k_norm, RoPE), as the official layer computes it."""
+    head = random_head(target, block_size=4, num_layers=1)
+    s = 7
+    context = torch.randn(1, s, target.config.hidden_size)
+    cos_c, sin_c = head.rope(context, torch.arange(s)[None])
+    kv = [head.context_kv(0, context, cos_c, sin_c)]
+    x = torch.randn(1, 3, 4, target.config.hidden_size)
+    anchors = torch.tensor([[1, 3, 6]])
+    cos, sin = head.rope(x, (anchors[..., None] + torch.arange(4)).view(1, -1))
+    cos, sin = cos.view(1, 3, 4, -1), sin.view(1, 3, 4, -1)
+    sees = context_visibility(anchors, torch.tensor([[True, True, True]]), s)
+    with torch.no_grad():
+        assert torch.allclose(head.run_block(x, cos, sin, kv, sees), written_out_block(head, x, cos, sin, kv, sees), atol=1e-5)
+
+
 def test_loss_trains_every_slot(target):
     head = random_head(target, block_size=4, num_anchors=6).train()
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
