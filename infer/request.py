@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from specgraft.heads.base import Drafter, DraftState
-from specgraft.infer.detokenize import Detokenizer
+from specgraft.infer.detokenize import Detokenizer, prompt_context
 from specgraft.infer.stats import StatsRecorder
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import AcceptRule, is_lossless
@@ -51,6 +51,7 @@ class Request:
     rule: StopRule
     recorder: StatsRecorder
     text: Detokenizer | None  # the one incremental detokenizer: stop strings and streamed text
+    text_context: list[int]  # the prompt tokens the output's text is decoded after (`prompt_context`)
     cache: KVCache | StaticKVCache | None = None  # its row of the scheduler's pool, or its own (HF forward)
     row: int | None = None
     draft_row: int | None = None  # its row of its drafter's draft pool, if the drafter keeps one
@@ -135,11 +136,12 @@ def new_request(
         (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
     )
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    detokenizer = Detokenizer(target.decode) if target.tokenizer is not None and (text or stops) else None
+    context = prompt_context(target.decode, prompt_ids.tolist()) if target.tokenizer is not None else []
+    detokenizer = Detokenizer(target.decode, context) if target.tokenizer is not None and (text or stops) else None
     return Request(
         handle=handle, prompt_ids=prompt_ids, drafter_name=drafter_name, drafter=drafter, tree=tree, sampling=sampling,
         acceptance=acceptance, rule=StopRule(max_new_tokens, eos, stops, detokenizer),
-        recorder=StatsRecorder(lossless=is_lossless(acceptance)), text=detokenizer,
+        recorder=StatsRecorder(lossless=is_lossless(acceptance)), text=detokenizer, text_context=context,
     )
 
 

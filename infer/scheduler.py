@@ -41,6 +41,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
+from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
@@ -265,7 +266,8 @@ class Scheduler:
             if request.rule.done:
                 self._leave(request)
                 output = GenerationOutput(
-                    request.token_ids, self.target.decode(request.token_ids), request.recorder.finish()
+                    request.token_ids, continuation_text(self.target.decode, request.text_context, request.token_ids),
+                    request.recorder.finish(),
                 )
                 events.append(Finished(request.handle, output))
         return events

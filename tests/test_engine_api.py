@@ -101,7 +101,9 @@ def test_batched_tensor_prompt_raises_value_error_instead_of_concatenating(stori
 def test_text_prompt_matches_hf_greedy_of_the_tokenized_prompt(stories, prompt, prompt_ids):
     out = make_generator(stories, "prompt_lookup").generate(prompt, max_new_tokens=N, eos_token_id=())
     assert out.token_ids == hf_generate(stories, prompt_ids, N, eos_token_id=None)
-    assert out.text == stories.decode(out.token_ids)
+    # The text continues the prompt's: its first word keeps the space SentencePiece drops at a decode's start.
+    assert prompt + out.text == stories.decode(prompt_ids + out.token_ids)
+    assert out.text.startswith(" ") and not stories.decode(out.token_ids).startswith(" ")
 
 
 # --------------------------------------------------------------------------- streaming

@@ -69,6 +69,8 @@ def test_completion_equals_offline_greedy(client, plain, dev_prompts, drafter):
     choice = out.choices[0]
     assert choice.token_ids == offline.token_ids
     assert choice.text == offline.text
+    # prompt + completion reads as one text, as vLLM's and OpenAI's completions do (no word glued to the prompt)
+    assert prompt + choice.text == plain.target.decode(plain.target.encode(prompt) + choice.token_ids)
     assert out.usage.completion_tokens == len(offline.token_ids)
     assert out.usage.prompt_tokens == len(plain.target.encode(prompt))
     assert out.speculative_stats["drafter"] == drafter
