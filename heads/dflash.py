@@ -304,7 +304,9 @@ def sample_anchors(loss_mask: torch.Tensor, count: int) -> tuple[torch.Tensor, t
     return anchors.gather(1, order), keep.gather(1, order)
 
 
-def block_mask(sees: torch.Tensor | None, a: int, k_size: int, b: int, s: int, device) -> torch.Tensor | None:
+def block_mask(
+    sees: torch.Tensor | None, a: int, k_size: int, b: int, s: int, device: torch.device
+) -> torch.Tensor | None:
     """(B, 1, A K, S + A K) bool: block slots see their block's context positions (``sees``, (B, A, S); None:
     all) and their own block's slots, no other block's. None where everything is visible (one block, no sees)."""
     if sees is None and a == 1:
