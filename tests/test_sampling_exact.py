@@ -122,27 +122,28 @@ DEFAULT_GRID = [
 FULL_GRID = [(d, t, f) for d in DRAFTERS for t in TEMPERATURES for f in FILTERS]
 
 
+def assert_fits(drafter_name: str, temperature: float, filter_name: str, n: int) -> None:
+    """``n`` continuations through the engine fit the enumerated distribution."""
+    filters = FILTERS[filter_name]
+    result = fit(sample_continuations(drafter_name, temperature, filters, n=n), exact(temperature, filters))
+    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}, n={n}: {result}"
+
+
 @pytest.mark.parametrize("drafter_name,temperature,filter_name", DEFAULT_GRID)
 def test_speculative_samples_follow_the_target_distribution(drafter_name, temperature, filter_name):
-    filters = FILTERS[filter_name]
-    result = fit(sample_continuations(drafter_name, temperature, filters, n=ENGINE_SAMPLES), exact(temperature, filters))
-    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}: {result}"
+    assert_fits(drafter_name, temperature, filter_name, ENGINE_SAMPLES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_name,temperature,filter_name", DEFAULT_GRID)
 def test_speculative_samples_follow_the_target_distribution_at_full_power(drafter_name, temperature, filter_name):
-    filters = FILTERS[filter_name]
-    result = fit(sample_continuations(drafter_name, temperature, filters), exact(temperature, filters))
-    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}: {result}"
+    assert_fits(drafter_name, temperature, filter_name, SAMPLES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_name,temperature,filter_name", [c for c in FULL_GRID if c not in DEFAULT_GRID])
 def test_speculative_samples_follow_the_target_distribution_full_grid(drafter_name, temperature, filter_name):
-    filters = FILTERS[filter_name]
-    result = fit(sample_continuations(drafter_name, temperature, filters), exact(temperature, filters))
-    assert result.passed, f"{drafter_name}, T={temperature}, {filter_name}: {result}"
+    assert_fits(drafter_name, temperature, filter_name, SAMPLES)
 
 
 def test_plain_sampling_follows_the_target_distribution():
