@@ -184,7 +184,7 @@ class DFlashHead(nn.Module):
 
         Each block attends to the context positions ``sees`` allows and to all of its own slots, never to
         another block: one fused SDPA over [context ; every block] keys under that mask. Measured on this CPU
-        (fwd + bwd of one layer, SmolLM2's and stories260K's shapes) 1.5-2x faster than scores written out per
+        (fwd + bwd of one layer, SmolLM2's and stories260K's shapes) 1.4-2.5x faster than scores written out per
         block, whose (.., A, K, S + K) tensors and their slices dominated a training step.
 
         Args:
