@@ -106,6 +106,8 @@ class PromptLookupState:
 
 def _trie(root_token: int, branches: list[list[int]]) -> Tree:
     """Merge token lists that share prefixes into one tree under the root."""
+    if not branches:
+        return Tree.root_only(root_token)
     tokens, parents, depth = [root_token], [ROOT_PARENT], [0]
     child: dict[tuple[int, int], int] = {}
     for branch in branches:
@@ -118,9 +120,5 @@ def _trie(root_token: int, branches: list[list[int]]) -> Tree:
                 parents.append(node)
                 depth.append(depth[node] + 1)
             node = child[key]
-    return Tree(
-        tokens=torch.tensor(tokens),
-        parents=torch.tensor(parents),
-        depth=torch.tensor(depth),
-        scores=torch.zeros(len(tokens)),
-    )
+    tokens_, parents_, depth_ = torch.tensor([tokens, parents, depth])  # one tensor made, not three
+    return Tree(tokens=tokens_, parents=parents_, depth=depth_, scores=torch.zeros(len(tokens)))

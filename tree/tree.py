@@ -55,11 +55,12 @@ class Tree:
             if self.ancestors.shape != (n, n):
                 raise ValueError(f"Tree.ancestors has shape {tuple(self.ancestors.shape)}, expected ({n}, {n})")
             return  # a builder's tree: checking the structure per level would cost more than the step's forward
-        if n == 0 or int(self.parents[0]) != ROOT_PARENT:
+        parents = self.parents.tolist()  # a few dozen ints: checked in Python faster than by tensor ops
+        if n == 0 or parents[0] != ROOT_PARENT:
             raise ValueError("Tree needs a root at node 0 with parent -1")
-        if n > 1 and not bool((self.parents[1:] < torch.arange(1, n, device=self.parents.device)).all()):
+        if any(p >= i for i, p in enumerate(parents)):
             raise ValueError("Tree nodes must be stored parents-first (parents[i] < i)")
-        if n > 1 and not bool((self.parents[1:] >= 0).all()):
+        if any(p < 0 for p in parents[1:]):
             raise ValueError("only node 0 may be a root")
 
     @classmethod
