@@ -118,6 +118,7 @@ class SpeculativeGenerator:
         checked = [check_prompt(self.target, prompt) for prompt in prompts]
         sched = self.scheduler(max_batch_size=max(1, len(prompts)),
                                max_len=self._rows_len(checked, [o["max_new_tokens"] for o in split]))
+        sched.closed = True  # no request joins these: speculation pays only where it shortens the longest row
         handles = [sched.submit(ids, **opts) for ids, opts in zip(checked, split)]
         ended: dict[int, Event] = {}
         while not sched.idle:

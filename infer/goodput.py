@@ -23,10 +23,16 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    probability (``exp`` of its cumulative draft log-prob, what EAGLE-2 ranks
    by) calibrated per drafter and depth against what was accepted; a tree
    without probabilities (prompt lookup) uses its row's running acceptance by
-   depth. T is measured once with a few timed forwards and rescaled by the
-   forward times steps observe; a drafter's cost per row, a fixed part plus
-   a part per level (prompt lookup pays once for any depth, a head once per
-   level), is fitted to the times its rounds take.
+   depth, calibrated the same way (selection keeps the rows that were lucky
+   lately, so the raw rates run high). T is measured once with a few timed
+   forwards, read on the lower convex hull of those times (`convex_floor`),
+   and rescaled by the forward times steps observe; a drafter's cost per row,
+   a fixed part plus a part per level (prompt lookup pays once for any depth,
+   a head once per level), is fitted to the times its rounds take.
+
+In a closed batch (`generate_batch`: no request will join) the scheduler
+offers the plan only the rows with the most tokens left (`Scheduler._critical`):
+the batch ends with its longest row, so another row's tokens shorten nothing.
 
 Everything a choice reads was settled before the step's verification:
 committed history (what was accepted before) and this step's draft scores.
@@ -64,7 +70,7 @@ COST_REPEATS = 4  # timed forwards per size; the fastest counts
 RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
 # Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
 # (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
-PROBE_SHARE = 0.02
+PROBE_SHARE = 0.01
 MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
 # drafter -> what it taught any controller (calibration, reach, cost): learned once per process, not per scheduler.
@@ -77,13 +83,16 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    observed: list[float] = field(default_factory=list)  # observed / predicted of forwards since the last rescale
+    observed: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of forwards since the last rescale
     # Seconds a row verifying a tree adds beyond its forward tokens (tree masks, acceptance, gathers: the scheduler's
     # own work), fitted to steps; and the moving moments of that fit (weight, rows², rows·drafted, drafted², rows·s,
     # drafted·s).
     per_drafted: float = 0.0
     moments: list[float] = field(default_factory=lambda: [0.0] * 6)
     steps: int = 0
+    # The same sums over the steps since the last fit, folded into ``moments`` as one observation every
+    # `RESCALE_EVERY` steps (a step adds to plain floats: the fit costs nothing on the steps between).
+    pending: list[float] = field(default_factory=lambda: [0.0] * 6)
 
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
@@ -100,7 +109,7 @@ class StepCost:
         prefix = (torch.arange(cached, device=device) * 31 + 5) % target.vocab_size
         cache = target.new_cache()
         target.forward(prefix[None], cache, torch.arange(cached, device=device)[None])
-        points, floor = {}, 0.0
+        points = {}
         for n in sizes:
             ids = (torch.arange(n, device=device) * 7919 + 11) % target.vocab_size
             positions = torch.arange(cached, cached + n, device=device)[None]
@@ -111,8 +120,8 @@ class StepCost:
                 elapsed = time.perf_counter() - start
                 cache.crop(cached)
                 best = min(best, elapsed) if attempt else best
-            floor = points[n] = max(best, floor)  # more tokens never cost less: what looks so is timing noise
-        return cls(points)
+            points[n] = best
+        return cls(convex_floor(points))
 
     def __call__(self, n: int) -> float:
         xs, ys = self._xs, self._ys
@@ -128,13 +137,21 @@ class StepCost:
 
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """A step's verification and commits beyond its forward took ``seconds`` for ``rows`` rows of which ``drafted``
-        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (moving least squares, no intercept)."""
-        a = EMA if self.moments[0] else 1.0
-        self.moments = [(1 - a) * m + a * v for m, v in zip(self.moments, (
-            1.0, rows * rows, rows * drafted, drafted * drafted, rows * seconds, drafted * seconds))]
+        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (moving least squares, no intercept,
+        refitted every `RESCALE_EVERY` steps: plans priced on it are reused between)."""
+        p = self.pending
+        p[0] += 1.0
+        p[1] += rows * rows
+        p[2] += rows * drafted
+        p[3] += drafted * drafted
+        p[4] += rows * seconds
+        p[5] += drafted * seconds
         self.steps += 1
-        if self.steps % RESCALE_EVERY:  # moved with the scale, every few steps: plans priced on it are reused between
+        if self.steps % RESCALE_EVERY:
             return
+        a = EMA if self.moments[0] else 1.0
+        self.moments = [(1 - a) * m + a * v / p[0] for m, v in zip(self.moments, p)]
+        self.pending = [0.0] * 6
         _, rr, rd, dd, ry, dy = self.moments
         det = rr * dd - rd * rd
         if det > 1e-9 * max(rr * dd, 1e-30):
@@ -142,21 +159,80 @@ class StepCost:
 
     def observe(self, n: int, seconds: float) -> None:
         """A step's forward over ``n`` tokens took ``seconds``: every `RESCALE_EVERY` of them, the curve moves toward
-        their mean (the machine's load moves; a scale that holds between moves lets plans be reused)."""
-        predicted = self(n) / self.scale
-        if predicted > 0:
-            self.observed.append(seconds / predicted)
+        their mean observed / predicted (the machine's load moves; a scale that holds between moves lets plans be
+        reused)."""
+        self.observed.append((n, seconds))
         if len(self.observed) >= RESCALE_EVERY:
-            self.scale = (1 - EMA) * self.scale + EMA * sum(self.observed) / len(self.observed)
+            ratios = [t / p for p, t in ((self(m) / self.scale, t) for m, t in self.observed) if p > 0]
             self.observed.clear()
+            if ratios:
+                self.scale = (1 - EMA) * self.scale + EMA * sum(ratios) / len(ratios)
+
+
+def convex_floor(points: dict[int, float]) -> dict[int, float]:
+    """The timed points moved onto their lower convex hull, never decreasing: what a token costs, read steadily.
+
+    A forward's time against its tokens wiggles with the kernels' choice of blocking (on one CPU, 12 tokens
+    took longer than 16 and 16 as long as 24) and with noise; a running maximum turned such a dip into a flat
+    stretch where more tokens looked free. The hull keeps the efficient points and prices every token between
+    them at the same rate.
+    """
+    xs = sorted(points)
+    hull: list[int] = []
+    for x in xs:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (points[b] - points[a]) * (x - a) >= (points[x] - points[a]) * (b - a):  # b is not below a-x
+                hull.pop()
+            else:
+                break
+        hull.append(x)
+    out, floor = {}, 0.0
+    for x in xs:
+        i = bisect.bisect_left(hull, x)
+        if hull[i] == x:
+            y = points[x]
+        else:
+            a, b = hull[i - 1], hull[i]
+            y = points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+        floor = out[x] = max(y, floor)
+    return out
+
+
+@dataclass
+class Calibration:
+    """Accepted over predicted by depth, for estimates of one kind: recent steps weigh more as the text moves on."""
+
+    predicted: list[float] = field(default_factory=list)  # [d - 1]: sum of the raw estimates verified at depth d
+    accepted: list[float] = field(default_factory=list)  # [d - 1]: how many of them were accepted
+
+    def factor(self, depth: int) -> float:
+        """accepted / predicted at ``depth``, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
+        i = depth - 1
+        if i >= len(self.predicted):
+            return 1.0
+        return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
+
+    def observe(self, depth: int, raw: float, accepted: bool) -> None:
+        while len(self.predicted) < depth:
+            self.predicted.append(0.0)
+            self.accepted.append(0.0)
+        i = depth - 1
+        self.predicted[i] += raw
+        self.accepted[i] += accepted
+        if self.predicted[i] > CALIBRATION_MEMORY:  # halve both: recent steps weigh more as the text moves on
+            self.predicted[i] /= 2
+            self.accepted[i] /= 2
 
 
 @dataclass
 class DrafterStats:
     """What one drafter taught the controller: calibration of its probabilities and its cost, by depth."""
 
-    predicted: list[float] = field(default_factory=list)  # [d - 1]: sum of raw path probabilities verified at depth d
-    accepted: list[float] = field(default_factory=list)  # [d - 1]: how many of them were accepted
+    # Its path probabilities' calibration; and, for trees without probabilities (prompt lookup), that of its rows'
+    # running reach, which runs high where selection keeps the rows that were lucky lately.
+    probability: Calibration = field(default_factory=Calibration)
+    rates: Calibration = field(default_factory=Calibration)
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
     # Moving moments of (levels drafted, seconds per row) over its rounds, for `cost_of`'s straight line.
     moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
@@ -200,25 +276,15 @@ class DrafterStats:
                 for d, (n, total, hits) in sorted(self.curve.items()) if n]
 
     def factor(self, depth: int) -> float:
-        """Calibration at ``depth``: accepted / predicted, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
-        i = depth - 1
-        if i >= len(self.predicted):
-            return 1.0
-        return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
+        """Calibration of its path probabilities at ``depth`` (see `Calibration.factor`)."""
+        return self.probability.factor(depth)
 
     def reach_at(self, depth: int) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else REACH_PRIOR**depth
 
     def observe(self, depth: int, raw: float, accepted: bool) -> None:
-        while len(self.predicted) < depth:
-            self.predicted.append(0.0)
-            self.accepted.append(0.0)
-        i = depth - 1
-        self.predicted[i] += raw
-        self.accepted[i] += accepted
-        if self.predicted[i] > CALIBRATION_MEMORY:  # halve both: recent steps weigh more as the text moves on
-            self.predicted[i] /= 2
-            self.accepted[i] /= 2
+        """A verified node at ``depth`` whose path probability was ``raw``."""
+        self.probability.observe(depth, raw, accepted)
 
 
 @dataclass
@@ -226,7 +292,8 @@ class RowState:
     """One generation's running acceptance by depth, seeded from its drafter's."""
 
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
-    plan: tuple[Any, int, int] | None = None  # (the prices, the deepest allowed, the depth planned): valid while both hold
+    # (the prices, the deepest allowed, the depth planned, steps between probes): valid while the first two hold.
+    plan: tuple[Any, int, int, float] | None = None
     idle: int = 0  # steps since its last probe
 
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose accepted path reached d
@@ -284,9 +351,11 @@ class GoodputController:
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
+        self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
         # id(drafter) -> ((batch, T's scale, per drafted row, stats version), fixed, per level, reach prior):
         # `plan`'s prices.
         self.priced: dict[int, tuple[tuple[int, float, float, int], float, float, list[float]]] = {}
+        self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
 
     def step_cost(self) -> StepCost:
         """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
@@ -304,6 +373,13 @@ class GoodputController:
             stats = _DRAFTERS[drafter] = DrafterStats()
         return stats
 
+    def _stats(self, drafter: Any) -> DrafterStats:
+        """`stats`, through a plain dict: a weak dictionary's lookup costs a few microseconds a call, every step."""
+        known = self._known.get(id(drafter))
+        if known is None or known[0] is not drafter:
+            known = self._known[id(drafter)] = (drafter, self.stats(drafter))
+        return known[1]
+
     def row(self, key: int) -> RowState:
         row = self.rows.get(key)
         if row is None:
@@ -313,6 +389,7 @@ class GoodputController:
     def forget(self, key: int) -> None:
         self.rows.pop(key, None)
         self.estimated.pop(key, None)
+        self.rates.pop(key, None)
 
     # ------------------------------------------------------------------ 1. plan
 
@@ -330,8 +407,9 @@ class GoodputController:
         """
         cost = self.step_cost()
         depths: dict[int, int] = {}
-        self.probes = set()
+        probes = self.probes = set()
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
+        states = self.rows
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
             if priced is False or (priced is not None and len(priced[3]) < max_depth):
@@ -339,34 +417,37 @@ class GoodputController:
             if priced is None:
                 depths[key] = min(1, max_depth)
                 continue
-            row = self.row(key)
-            if row.plan is not None and row.plan[0] is priced and row.plan[1] == max_depth:  # nothing moved
-                best = row.plan[2]
-            else:
-                _, fixed, per_level, prior = priced
-                reach = row.reach
-                best, best_net, net = 0, 0.0, -fixed
-                for d in range(max_depth):
-                    net += (reach[d] if d < len(reach) else prior[d]) - per_level  # expected tokens less price
-                    if net > best_net:
-                        best, best_net = d + 1, net
-                row.plan = priced, max_depth, best
-            depths[key] = best
+            row = states.get(key) or self.row(key)
+            plan = row.plan
+            if plan is None or plan[0] is not priced or plan[1] != max_depth:  # something moved: plan again
+                plan = row.plan = self._plan_row(row, drafter, priced, max_depth)
+            best = depths[key] = plan[2]
             if best < max_depth:
                 row.idle += 1
-                _, fixed, per_level, _ = priced
-                if row.idle * PROBE_SHARE >= per_level + (fixed if best == 0 else 0.0):  # the level's share of steps
+                if row.idle >= plan[3]:  # the next level's share of steps (see `PROBE_SHARE`)
                     row.idle = 0
                     depths[key] = best + 1
-                    self.probes.add(key)
+                    probes.add(key)
         return depths
+
+    def _plan_row(self, row: RowState, drafter: Any, priced: tuple, max_depth: int) -> tuple[Any, int, int, float]:
+        """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes)."""
+        _, fixed, per_level, prior = priced
+        reach, rates = row.reach, self._stats(drafter).rates
+        best, best_net, net = 0, 0.0, -fixed
+        for d in range(max_depth):
+            # expected tokens (a running reach, calibrated as selection's rates are) less the price
+            net += (reach[d] if d < len(reach) else prior[d]) * rates.factor(d + 1) - per_level
+            if net > best_net:
+                best, best_net = d + 1, net
+        return priced, max_depth, best, (per_level + (fixed if best == 0 else 0.0)) / PROBE_SHARE
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:
         """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
         is unmeasured. Drafting and verifying d levels costs fixed + per_level * d tokens of plain goodput; its
         reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, T's scale
         or the drafter's statistics moved (or a deeper prior is asked for)."""
-        stats = self.stats(drafter)
+        stats = self._stats(drafter)
         if not stats.measured:
             return None
         inputs = (batch, cost.scale, cost.per_drafted, stats.version)
@@ -384,7 +465,7 @@ class GoodputController:
     def observe_draft(self, drafter: Any, rows: int, levels: int, seconds: float) -> None:
         """A drafter's proposals for ``rows`` rows, ``levels`` deep (at least 1: a lookup that found nothing worked
         all the same), took ``seconds`` (a drafter's first round, cold, is not its cost)."""
-        stats = self.stats(drafter)
+        stats = self._stats(drafter)
         if rows and levels and stats.warm:
             stats.observe_cost(levels, seconds / rows)
         stats.warm = True
@@ -393,24 +474,32 @@ class GoodputController:
 
     def estimates(self, candidate: Candidate) -> list[float]:
         """Each node's chance to be on the accepted path (index 0, the root: 1), never above its parent's."""
+        return self._estimates(candidate)[0]
+
+    def _estimates(self, candidate: Candidate) -> tuple[list[float], list[float] | None]:
+        """`estimates`, and for a tree without probabilities each node's raw rate (its row's reach at its depth,
+        shared among siblings) before calibration (None for a tree with probabilities: its raw is in its scores)."""
         tree = candidate.tree
         if tree.num_nodes == 1:
-            return [1.0]
-        stats = self.stats(candidate.drafter)
+            return [1.0], None
+        stats = self._stats(candidate.drafter)
         depth, parents = tree.depth.tolist(), tree.parents.tolist()
         scores = tree.scores.tolist()
         out = [1.0] * tree.num_nodes
         if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
             for i in range(1, tree.num_nodes):
                 out[i] = min(out[parents[i]], 1.0, math.exp(scores[i]) * stats.factor(depth[i]))
-        else:  # no probabilities (prompt lookup): the row's running acceptance by depth, shared among siblings
-            row = self.row(candidate.key)
-            at_depth: dict[int, int] = {}
-            for d in depth[1:]:
-                at_depth[d] = at_depth.get(d, 0) + 1
-            for i in range(1, tree.num_nodes):
-                out[i] = min(out[parents[i]], row.reach_at(depth[i], stats) / at_depth[depth[i]])
-        return out
+            return out, None
+        # No probabilities (prompt lookup): the row's running acceptance by depth, shared among siblings, calibrated.
+        row = self.row(candidate.key)
+        at_depth: dict[int, int] = {}
+        for d in depth[1:]:
+            at_depth[d] = at_depth.get(d, 0) + 1
+        raw = [1.0] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            raw[i] = row.reach_at(depth[i], stats) / at_depth[depth[i]]
+            out[i] = min(out[parents[i]], 1.0, raw[i] * stats.rates.factor(depth[i]))
+        return out, raw
 
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
         """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
@@ -422,13 +511,17 @@ class GoodputController:
         tokens, expected = 0, 0.0
         pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
         estimates: dict[int, list[float]] = {}  # row index -> its nodes' estimates
+        rates: dict[int, list[float]] = {}  # row index -> its nodes' raw rates (trees without probabilities)
         candidates = [c if c.key not in self.probes else replace(c, adaptive=False) for c in candidates]
         for r, c in enumerate(candidates):
             tokens += 1
             expected += 1.0
             if c.tree.num_nodes == 1:
                 continue
-            est = estimates[r] = self.estimates(c)
+            est, rate = self._estimates(c)
+            estimates[r] = est
+            if rate is not None:
+                rates[r] = rate
             if not c.adaptive:
                 tokens += c.tree.num_draft_tokens
                 expected += sum(est[1:])
@@ -458,8 +551,10 @@ class GoodputController:
                 trees[c.key] = c.tree
                 continue
             kept = sorted(keep[r])
-            if len(kept) > 1:  # what selection expected of each verified node, for the calibration curve
+            if len(kept) > 1:  # what selection expected of each verified node: the calibration curve, the rates'
                 self.estimated[c.key] = [estimates[r][i] for i in kept]
+                if r in rates:
+                    self.rates[c.key] = [rates[r][i] for i in kept]
             if len(kept) == c.tree.num_nodes:
                 trees[c.key] = c.tree
             else:
@@ -482,12 +577,16 @@ class GoodputController:
         """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""
         if tree.num_nodes == 1:
             return
-        stats, row = self.stats(drafter), self.row(key)
+        stats, row = self._stats(drafter), self.row(key)
         on_path = set(accepted_path.tolist())
         scores, depth = tree.scores.tolist(), tree.depth.tolist()
         if any(scores[1:]):
             for i in range(1, tree.num_nodes):
                 stats.observe(depth[i], math.exp(scores[i]), i in on_path)
+        rates = self.rates.pop(key, None)
+        if rates is not None and len(rates) == tree.num_nodes:  # the rates selection read, against what was accepted
+            for i in range(1, tree.num_nodes):
+                stats.rates.observe(depth[i], rates[i], i in on_path)
         estimated = self.estimated.pop(key, None)
         if estimated is not None and len(estimated) == tree.num_nodes:
             for i in range(1, tree.num_nodes):

@@ -99,6 +99,9 @@ class Scheduler:
         max_len: most tokens (prompt + new) of one generation: the slots each row holds beside one
             tree. Default: the target's context, at most `DEFAULT_MAX_LEN`.
         default_drafter, default_tree, default_acceptance: what `submit` uses when a request names none.
+        closed: no request will be submitted once those queued are admitted (`generate_batch`'s batch): the
+            batch then ends with its longest row, so while none waits, an `Adaptive` row that is ahead of the
+            longest does not draft (see `_critical`).
 
     Usage::
 
@@ -120,6 +123,7 @@ class Scheduler:
         default_drafter: str = NO_DRAFTER,
         default_tree: TreePolicy | None = None,
         default_acceptance: AcceptRule = sample_accept,
+        closed: bool = False,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
@@ -142,6 +146,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.counters = EngineCounters()
         self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
+        self.closed = closed
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
         self._next_handle = 0
 
@@ -331,7 +336,9 @@ class Scheduler:
         together: dict[str, list[tuple[Request, DraftRequest]]] = {}
         planned = {}  # adaptive rows: how deep the goodput controller lets each draft
         if self.controller is not None:
-            adaptive = [(r.handle, r.drafter, min(r.tree.max_depth, r.rule.remaining() - 1))
+            critical = self._critical(live)
+            adaptive = [(r.handle, r.drafter, min(r.tree.max_depth, r.rule.remaining() - 1)
+                         if r.rule.remaining() >= critical else 0)
                         for r in live if r.draft is not None and isinstance(r.tree, Adaptive)]
             planned = self.controller.plan(adaptive, batch=len(live)) if adaptive else {}
         for request in live:
@@ -358,6 +365,18 @@ class Scheduler:
             trees.update(drafted)
             self._observe_draft(self.drafters[name], list(drafted.values()), start)
         return trees
+
+    def _critical(self, live: list[Request]) -> int:
+        """The fewest tokens an `Adaptive` row may have left and still draft: the most any live row has left, in a
+        closed batch that no request waits to join; else 0 (every row).
+
+        A closed batch's steps run until its longest row ends, and a row that ends sooner frees its row for no
+        one: its speculation would shorten nothing while its trees cost every row's step. The longest rows (the
+        slowest so far, all of them at first) are the ones whose tokens shorten the batch.
+        """
+        if not self.closed or self.queued:
+            return 0
+        return max(r.rule.remaining() for r in live)
 
     def _observe_draft(self, drafter: Drafter, trees: list[Tree | None], start: float) -> None:
         """Tell the controller what drafting these trees cost (per row and level of the trees drafted).

@@ -65,6 +65,19 @@ def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_pr
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1
 
 
+def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_tokens_looks_free():
+    from specgraft.infer.goodput import convex_floor
+
+    timed = {1: 1.0, 2: 1.1, 4: 2.5, 8: 4.0, 12: 6.0, 16: 5.0, 24: 5.5, 32: 7.0}  # 12 tokens slower than 16 and 24
+    curve = convex_floor(timed)
+    xs = sorted(curve)
+    slopes = [(curve[b] - curve[a]) / (b - a) for a, b in zip(xs, xs[1:])]
+    assert all(0 < s1 <= s2 + 1e-12 for s1, s2 in zip(slopes, slopes[1:]))  # rising, ever more steeply
+    assert all(curve[x] <= timed[x] + 1e-12 for x in xs) and curve[1] == 1.0 and curve[32] == 7.0
+    assert curve[24] > curve[16]  # a running maximum made 12..24 one flat price: tokens there looked free
+    assert convex_floor({1: 2.0, 2: 1.0, 6: 2.0}) == {1: 2.0, 2: 2.0, 6: 2.0}  # never cheaper for more tokens
+
+
 def test_the_step_cost_is_timed_within_a_short_context():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -151,6 +164,24 @@ def test_calibration_learns_accepted_over_predicted_by_depth_from_a_prior_of_one
         stats.observe(1, 0.8, accepted=False)
         stats.observe(1, 0.8, accepted=True)
     assert stats.factor(1) == pytest.approx((40 + 4) / (64 + 4))
+
+
+def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selection_kept_and_was_accepted():
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free: every node is kept
+    lookup = tree_of([-1, 0, 1], tokens=[5, 6, 7])  # prompt lookup's chain: no probabilities
+    for step in range(60):
+        ctl.row(0).reach = [0.8, 0.6]  # a row that claims 0.8 (selection kept it for its luck) ...
+        trees = ctl.select([Candidate(0, d, lookup, True)])
+        assert trees[0].num_nodes == 3
+        ctl.observe_step(0, d, trees[0], torch.tensor([0, 1] if step % 4 == 0 else [0]))  # ... reaches depth 1 a quarter
+    stats = ctl.stats(d)
+    factor = (15 + 4) / (60 * 0.8 + 4)  # accepted over the raw rates selection read, pulled toward 1 by 4
+    assert stats.rates.factor(1) == pytest.approx(factor)
+    assert stats.rates.factor(2) == pytest.approx(4 / (60 * 0.6 + 4))  # depth 2 was never reached
+    assert stats.factor(1) == 1.0  # path probabilities are calibrated apart
+    ctl.row(0).reach = [0.8, 0.6]
+    est = ctl.estimates(Candidate(0, d, lookup, True))
+    assert est[1] == pytest.approx(0.8 * factor) and est[2] <= est[1]
 
 
 def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budgeted_share_of_steps():
@@ -247,6 +278,32 @@ def test_rows_idle_for_many_steps_draft_exactly_when_they_resume(stories, dev_pr
     for handle, prompt in zip(handles, prompts):
         assert driver.result(handle).token_ids == hf_generate(stories, prompt, PENDING_COMMITS + 30, eos_token_id=None)
     assert sched.counters.accepted_tokens > 0  # after the idle stretch the head's drafts were accepted
+
+
+def test_a_closed_batch_drafts_only_its_longest_rows_while_no_request_waits(stories, dev_prompts, monkeypatch):
+    """A closed batch ends with its longest row: a row with fewer tokens left is planned no draft (exactly)."""
+    planned = []
+
+    def recording(self, rows, batch):  # the deepest each adaptive row may draft, as the scheduler offers it
+        planned.append({key: deepest for key, _, deepest in rows})
+        return {key: min(2, deepest) for key, _, deepest in rows}
+
+    monkeypatch.setattr(GoodputController, "plan", recording)
+    prompts = [stories.encode(p) for p in dev_prompts[:3]]
+    for closed, rows in ((True, 3), (False, 3), (True, 2)):  # the last: a request waits for a free row
+        sched = sg.Scheduler(stories, {"lookup": sg.PromptLookup()}, max_batch_size=rows, closed=closed)
+        driver = Driver(sched)
+        handles = [sched.submit(p, n, drafter="lookup", tree=sg.Adaptive(), eos_token_id=())
+                   for p, n in zip(prompts, (6, 12, 12))]
+        planned.clear()
+        driver.run(*handles)
+        first = planned[0]  # the first step: 5 tokens left for the short row, 11 for the others
+        if closed and rows == 3:
+            assert first[handles[0]] == 0 and first[handles[1]] > 0 and first[handles[2]] > 0
+        else:
+            assert first[handles[0]] > 0 and first[handles[1]] > 0
+        for handle, prompt, n in zip(handles, prompts, (6, 12, 12)):
+            assert driver.result(handle).token_ids == hf_generate(stories, prompt, n, eos_token_id=None)
 
 
 def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
