@@ -61,6 +61,9 @@ EMA = 0.2
 # reach at its drafter's, each worth this many observations.
 PRIOR_WEIGHT = 4.0
 ROW_MEMORY = 32.0  # steps verified to a depth a row's reach there counts before both counts halve
+# Steps a row plans no draft before its own counts halve: stale evidence drifts back to its drafter's reach, so a row
+# that two early misses silenced drafts again where its drafter pays (the probes alone came too rarely for that).
+QUIET_HALVING = 8
 REACH_PRIOR = 0.5  # P(the accepted path reaches depth 1) before anything was observed; depth d: this ** d
 CALIBRATION_MEMORY = 200.0  # predicted acceptances a depth's calibration sums before both halve
 # Token counts at which T(N) is timed at start-up; larger N are extrapolated along the last segment.
@@ -295,6 +298,7 @@ class RowState:
     # (the prices, the deepest allowed, the depth planned, steps between probes): valid while the first two hold.
     plan: tuple[Any, int, int, float] | None = None
     idle: int = 0  # steps since its last probe
+    quiet: int = 0  # steps planned no draft since its counts last moved
 
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose accepted path reached d
     seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d
@@ -314,6 +318,18 @@ class RowState:
             if self.seen[d - 1] > ROW_MEMORY:
                 self.hits[d - 1] /= 2
                 self.seen[d - 1] /= 2
+        self.quiet = 0
+        self._pull(drafter)
+
+    def forget(self, drafter: DrafterStats) -> None:
+        """Halve its own counts (see `QUIET_HALVING`): its reach moves halfway back to its drafter's."""
+        self.hits = [h / 2 for h in self.hits]
+        self.seen = [n / 2 for n in self.seen]
+        self.quiet = 0
+        self.plan = None
+        self._pull(drafter)
+
+    def _pull(self, drafter: DrafterStats) -> None:
         self.reach = [(h + PRIOR_WEIGHT * drafter.reach_at(d)) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
@@ -422,6 +438,10 @@ class GoodputController:
             if plan is None or plan[0] is not priced or plan[1] != max_depth:  # something moved: plan again
                 plan = row.plan = self._plan_row(row, drafter, priced, max_depth)
             best = depths[key] = plan[2]
+            if best == 0 and row.seen:
+                row.quiet += 1
+                if row.quiet >= QUIET_HALVING:  # planned again next step, from counts halfway back to the drafter's
+                    row.forget(self._stats(drafter))
             if best < max_depth:
                 row.idle += 1
                 if row.idle >= plan[3]:  # the next level's share of steps (see `PROBE_SHARE`)

@@ -207,6 +207,24 @@ def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budget
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # not probing: cut as selection says
 
 
+def test_a_row_silenced_by_early_misses_drifts_back_to_its_drafters_reach_and_drafts_again():
+    from specgraft.infer.goodput import QUIET_HALVING
+
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free; goodput 1 token a second
+    stats = ctl.stats(d)
+    stats.observe_cost(1, 0.5)
+    stats.observe_cost(2, 1.0)  # half a second a level: a level must reach 0.5 tokens
+    stats.reach = [0.7]
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}
+    row = ctl.row(0)
+    for _ in range(4):  # four misses: (0 + 4 x 0.7) / (4 + 4) = 0.35
+        row.observe(0, 1, stats)
+    row.plan = None
+    plans = [ctl.plan([(0, d, 1)], batch=1)[0] for _ in range(2 * QUIET_HALVING + 1)]
+    assert plans[:-1] == [0] * (2 * QUIET_HALVING)  # halved once: 2.8 / (2 + 4) = 0.47, still short
+    assert plans[-1] == 1  # halved twice: 2.8 / (1 + 4) = 0.56
+
+
 def test_the_calibration_curve_pairs_what_selection_expected_with_what_was_accepted():
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free: every node is kept
     for accepted in ([0, 1], [0, 1, 2], [0]):
