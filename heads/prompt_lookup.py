@@ -37,12 +37,14 @@ class PromptLookup:
         return PromptLookupState(self, prompt_ids.detach().flatten().tolist())
 
 
-PENDING_COMMITS = 64  # commits a state keeps before indexing them anyway
-
-
 class PromptLookupState:
     """One generation's history and its n-gram index, extended by the commits when it next proposes: a row the
-    engine does not let draft (its tree sized to nothing under load) indexes nothing step by step."""
+    engine does not let draft (its tree sized to nothing under load) indexes nothing step by step.
+
+    Indexing costs about 1.5 us a token (an entry per n-gram length), more than the rest of a plain row's step
+    work here; a commit only keeps its tokens (a small tensor each), so a row that drafts again after a long
+    stretch indexes the stretch then, in one go.
+    """
 
     def __init__(self, lookup: PromptLookup, history: list[int]) -> None:
         self.lookup = lookup
@@ -59,8 +61,6 @@ class PromptLookupState:
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self.pending.append(tokens)
-        if len(self.pending) >= PENDING_COMMITS:
-            self._fold()
 
     def cache_tokens(self) -> int:
         return 0

@@ -297,8 +297,12 @@ class RowState:
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(accepted path reaches d | verified to d)
     # (the prices, the deepest allowed, the depth planned, steps between probes): valid while the first two hold.
     plan: tuple[Any, int, int, float] | None = None
-    idle: int = 0  # steps since its last probe
-    quiet: int = 0  # steps planned no draft since its counts last moved
+    # Times on the controller's clock (its plans so far): the row's last probe, when its own counts last moved, and
+    # the first step at which a probe or a halving of those counts is due (see `schedule`). A row that neither
+    # drafts nor is due costs its step one comparison.
+    probed: int = 0
+    quieted: int = 0
+    wake: float = 0.0
 
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose accepted path reached d
     seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d
@@ -306,9 +310,10 @@ class RowState:
     def reach_at(self, depth: int, drafter: DrafterStats) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else drafter.reach_at(depth)
 
-    def observe(self, accepted: int, verified_depth: int, drafter: DrafterStats) -> None:
+    def observe(self, accepted: int, verified_depth: int, drafter: DrafterStats, now: int) -> None:
         """Its reach by depth: its own recent hits, pulled toward its drafter's by `PRIOR_WEIGHT` pseudo-steps (a few
-        rejections do not silence a row; `ROW_MEMORY` recent steps a depth count before older ones halve)."""
+        rejections do not silence a row; `ROW_MEMORY` recent steps a depth count before older ones halve), at
+        ``now`` on the controller's clock."""
         for d in range(1, verified_depth + 1):
             if d > len(self.seen):
                 self.hits.append(0.0)
@@ -318,16 +323,23 @@ class RowState:
             if self.seen[d - 1] > ROW_MEMORY:
                 self.hits[d - 1] /= 2
                 self.seen[d - 1] /= 2
-        self.quiet = 0
+        self.plan, self.quieted = None, now
         self._pull(drafter)
 
-    def forget(self, drafter: DrafterStats) -> None:
-        """Halve its own counts (see `QUIET_HALVING`): its reach moves halfway back to its drafter's."""
+    def forget(self, drafter: DrafterStats, now: int) -> None:
+        """Halve its own counts (see `QUIET_HALVING`) at ``now``: its reach moves halfway back to its drafter's."""
         self.hits = [h / 2 for h in self.hits]
         self.seen = [n / 2 for n in self.seen]
-        self.quiet = 0
-        self.plan = None
+        self.plan, self.quieted = None, now
         self._pull(drafter)
+
+    def schedule(self, best: int, max_depth: int, every: float) -> None:
+        """When it next needs the controller's attention, planned ``best`` of ``max_depth`` levels: its next probe
+        (``every`` steps after its last, while it plans less than it may draft) or, while it plans no draft but has
+        counts of its own, their next halving."""
+        probe = self.probed + every if best < max_depth else math.inf
+        quiet = self.quieted + QUIET_HALVING if best == 0 and self.seen else math.inf
+        self.wake = min(probe, quiet)
 
     def _pull(self, drafter: DrafterStats) -> None:
         self.reach = [(h + PRIOR_WEIGHT * drafter.reach_at(d)) / (n + PRIOR_WEIGHT)
@@ -364,6 +376,7 @@ class GoodputController:
         self.target = target
         self.cost: StepCost | None = None
         self.rows: dict[int, RowState] = {}
+        self.clock = 0  # plans made: the steps rows count between their probes and halvings
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
@@ -398,8 +411,8 @@ class GoodputController:
 
     def row(self, key: int) -> RowState:
         row = self.rows.get(key)
-        if row is None:
-            row = self.rows[key] = RowState()
+        if row is None:  # its clocks start at the step before its first: that step is its first since either event
+            row = self.rows[key] = RowState(probed=self.clock - 1, quieted=self.clock - 1)
         return row
 
     def forget(self, key: int) -> None:
@@ -422,10 +435,11 @@ class GoodputController:
             batch: rows in the step (every one verifies at least its root).
         """
         cost = self.step_cost()
+        self.clock += 1
+        clock, states = self.clock, self.rows
         depths: dict[int, int] = {}
-        probes = self.probes = set()
+        self.probes = set()
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
-        states = self.rows
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
             if priced is False or (priced is not None and len(priced[3]) < max_depth):
@@ -437,18 +451,24 @@ class GoodputController:
             plan = row.plan
             if plan is None or plan[0] is not priced or plan[1] != max_depth:  # something moved: plan again
                 plan = row.plan = self._plan_row(row, drafter, priced, max_depth)
-            best = depths[key] = plan[2]
-            if best == 0 and row.seen:
-                row.quiet += 1
-                if row.quiet >= QUIET_HALVING:  # planned again next step, from counts halfway back to the drafter's
-                    row.forget(self._stats(drafter))
-            if best < max_depth:
-                row.idle += 1
-                if row.idle >= plan[3]:  # the next level's share of steps (see `PROBE_SHARE`)
-                    row.idle = 0
-                    depths[key] = best + 1
-                    probes.add(key)
+            depths[key] = plan[2]
+            if clock >= row.wake:
+                self._wake(key, row, drafter, plan, depths)
         return depths
+
+    def _wake(self, key: int, row: RowState, drafter: Any, plan: tuple, depths: dict[int, int]) -> None:
+        """A row's due events (see `RowState.schedule`): its counts halve after `QUIET_HALVING` steps without a draft
+        (planned again next step, from counts halfway back to its drafter's); it probes one level deeper than
+        planned after its steps between probes (the next level's share of steps, see `PROBE_SHARE`)."""
+        _, max_depth, best, every = plan
+        clock = self.clock
+        if best == 0 and row.seen and clock - row.quieted >= QUIET_HALVING:
+            row.forget(self._stats(drafter), clock)
+        if best < max_depth and clock - row.probed >= every:
+            row.probed = clock
+            depths[key] = best + 1
+            self.probes.add(key)
+        row.schedule(best, max_depth, every)
 
     def _plan_row(self, row: RowState, drafter: Any, priced: tuple, max_depth: int) -> tuple[Any, int, int, float]:
         """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes)."""
@@ -460,7 +480,9 @@ class GoodputController:
             net += (reach[d] if d < len(reach) else prior[d]) * rates.factor(d + 1) - per_level
             if net > best_net:
                 best, best_net = d + 1, net
-        return priced, max_depth, best, (per_level + (fixed if best == 0 else 0.0)) / PROBE_SHARE
+        every = (per_level + (fixed if best == 0 else 0.0)) / PROBE_SHARE
+        row.schedule(best, max_depth, every)
+        return priced, max_depth, best, every
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:
         """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
@@ -617,5 +639,4 @@ class GoodputController:
         accepted, verified = len(on_path) - 1, tree.max_depth
         update_reach(stats.reach, accepted, verified)
         stats.version += 1
-        row.observe(accepted, verified, stats)
-        row.plan = None
+        row.observe(accepted, verified, stats, self.clock)

@@ -19,7 +19,7 @@ from specgraft.infer.stats import StatsRecorder
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import AcceptRule, is_lossless
 from specgraft.model import KVCache, StaticKVCache, Target
-from specgraft.tree import Sampling, TreePolicy
+from specgraft.tree import Adaptive, Sampling, TreePolicy
 
 
 
@@ -62,9 +62,11 @@ class Request:
     released: int = 0  # characters of ``text`` already sent in events
 
     hidden_layers: tuple[int, ...] = field(init=False)  # the target states its drafter reads
+    adaptive: bool = field(init=False)  # a drafter whose trees the goodput controller sizes (an `Adaptive` tree)
 
     def __post_init__(self) -> None:
         self.hidden_layers = tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+        self.adaptive = self.drafter is not None and isinstance(self.tree, Adaptive)
 
 
 def new_request(

@@ -148,6 +148,7 @@ class Scheduler:
         self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
         self.closed = closed
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
+        self._adaptive_rows = False  # the step has rows whose trees the controller sizes
         self._next_handle = 0
 
     # ------------------------------------------------------------------ the pool
@@ -310,15 +311,14 @@ class Scheduler:
         live = [r for r in live if r.handle in trees]
         if not live:
             return
-        self.counters.adaptive_selected = None
         start, self._forward_seconds = time.perf_counter(), 0.0
+        drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
-            if any(isinstance(r.tree, Adaptive) and trees[r.handle].num_nodes > 1 for r in live):  # else nothing to cut
-                trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle],
-                                                          isinstance(r.tree, Adaptive)) for r in live])
+            self.counters.adaptive_selected = None if not self._adaptive_rows else 0
+            if any(r.adaptive for r in drafted):  # else nothing to cut
+                trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle], r.adaptive) for r in live])
                 self.counters.adaptive_selected = self.controller.selected_last
-            elif any(isinstance(r.tree, Adaptive) for r in live):
-                self.counters.adaptive_selected = 0
+                drafted = [r for r in drafted if trees[r.handle].num_nodes > 1]
         prefixes = {r.handle: len(r.cache) for r in live}
         verified = self._verify(live, trees, prefixes, events)
         for request in live:
@@ -327,24 +327,27 @@ class Scheduler:
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
         if self.controller is not None:  # what verifying trees costs beyond their tokens: the scheduler's own work
-            drafted = sum(1 for r in live if trees[r.handle].num_nodes > 1)
-            self.controller.observe_overhead(len(live), drafted, time.perf_counter() - start - self._forward_seconds)
+            seconds = time.perf_counter() - start - self._forward_seconds
+            self.controller.observe_overhead(len(live), len(drafted), seconds)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
         trees: dict[int, Tree] = {}
         together: dict[str, list[tuple[Request, DraftRequest]]] = {}
         planned = {}  # adaptive rows: how deep the goodput controller lets each draft
+        self._adaptive_rows = False
         if self.controller is not None:
             critical = self._critical(live)
-            adaptive = [(r.handle, r.drafter, min(r.tree.max_depth, r.rule.remaining() - 1)
-                         if r.rule.remaining() >= critical else 0)
-                        for r in live if r.draft is not None and isinstance(r.tree, Adaptive)]
-            planned = self.controller.plan(adaptive, batch=len(live)) if adaptive else {}
+            adaptive = []  # (handle, drafter, the deepest it may draft) of every adaptive row
+            for r in live:
+                if r.adaptive and r.draft is not None:
+                    left = r.rule.remaining()
+                    adaptive.append((r.handle, r.drafter, min(r.tree.max_depth, left - 1) if left >= critical else 0))
+            if adaptive:
+                self._adaptive_rows = True
+                planned = self.controller.plan(adaptive, batch=len(live))
         for request in live:
-            max_depth = request.rule.remaining() - 1
-            if request.handle in planned:
-                max_depth = min(max_depth, planned[request.handle])
+            max_depth = planned.get(request.handle, request.rule.remaining() - 1)  # the plan never exceeds what is left
             request.drafted = request.draft is not None and max_depth >= 1
             if not request.drafted:
                 trees[request.handle] = Tree.root_only(request.root, self.target.device)

@@ -218,7 +218,7 @@ def test_a_row_silenced_by_early_misses_drifts_back_to_its_drafters_reach_and_dr
     assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}
     row = ctl.row(0)
     for _ in range(4):  # four misses: (0 + 4 x 0.7) / (4 + 4) = 0.35
-        row.observe(0, 1, stats)
+        row.observe(0, 1, stats, now=ctl.clock)
     row.plan = None
     plans = [ctl.plan([(0, d, 1)], batch=1)[0] for _ in range(2 * QUIET_HALVING + 1)]
     assert plans[:-1] == [0] * (2 * QUIET_HALVING)  # halved once: 2.8 / (2 + 4) = 0.47, still short
