@@ -438,6 +438,24 @@ def test_bench_server_writes_the_concurrency_table(server, tmp_path):
     assert (out / "server_tokens_per_s.png").is_file() and (out / "server_latency.png").is_file()
 
 
+def test_bench_server_pools_its_rounds_of_each_level(server, tmp_path, capsys):
+    from specgraft.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nTom had a red ball.\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--server", server.url, "--concurrency", "2", "--rounds", "3", "--prompts", str(prompts),
+                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["greedy_identical"] and results["settings"]["rounds"] == 3
+    for r in results["levels"]:  # three passes of both prompts in each mode, pooled
+        assert r["rounds"] == 3 and r["requests"] == 6 and r["completion_tokens"] == 36
+    assert "3 round(s)" in (out / "results.md").read_text()
+    capsys.readouterr()
+    assert main(["bench", "--target", "x", "--rounds", "2", "--prompts", str(prompts), "--out", str(out)]) == 2
+    assert "--rounds applies to --server" in capsys.readouterr().err
+
+
 def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
     from specgraft.cli import main
     from specgraft.tools.bench_server import parse_concurrency

@@ -541,6 +541,8 @@ def bench_main(args: argparse.Namespace) -> int:
         return _server_bench(args)
     if not args.target:
         raise ValueError("give --target (offline bench) or --server URL (a running specgraft serve)")
+    if args.rounds != 1:
+        raise ValueError("--rounds applies to --server (the offline bench interleaves its methods prompt by prompt)")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:

@@ -7,14 +7,17 @@
 Each level runs every prompt as a streaming greedy request, ``concurrency``
 in flight at once, twice: speculation on (the request's ``speculative``
 field names the drafter) and off (``{"drafter": "none"}``); the order of the
-two alternates from level to level so neither always runs first. Latency and
-throughput are measured apart, as DESIGN.md asks:
+two alternates from pass to pass so neither always runs first. With
+``--rounds N`` a level makes N such pairs of passes and pools each mode's
+(a short pass moves by 10% or more with the machine's load; pooled rounds,
+alternated, move much less). Latency and throughput are measured apart, as
+DESIGN.md asks:
 
 - TTFT: request sent -> first chunk with tokens (queueing and prefill included).
 - ITL: the gap between two chunks / the tokens of the later chunk (a step's
   tokens arrive together), pooled over a level's requests.
 - per-request tokens/s: completion tokens / the request's wall time (median).
-- total tokens/s: all completion tokens of the level / the level's wall time.
+- total tokens/s: all completion tokens of the level / the level's wall time (summed over its rounds).
 
 Greedy outputs with speculation on must equal those with it off (lossless);
 a difference is listed and makes the command return 1. Writes
@@ -112,6 +115,7 @@ async def run_level(client, model: str, prompts: Sequence[str], concurrency: int
 
 
 def summarize(timings: Sequence[RequestTiming], wall_s: float) -> dict[str, Any]:
+    """A level's figures over ``timings`` (one or more rounds of it) and the wall time those rounds took."""
     """A level's latency and throughput figures (see the module docstring for each clock)."""
     ttft = sorted(t.ttft for t in timings)
     itl = sorted(x for t in timings for x in t.itl()) or [0.0]
@@ -133,9 +137,13 @@ def summarize(timings: Sequence[RequestTiming], wall_s: float) -> dict[str, Any]
 
 
 async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], *, max_tokens: int, drafter: str,
-                       api_key: str = "none", progress: bool = False) -> dict[str, Any]:
-    """Every level with speculation on and off; the results dict written by `write_server_results`."""
+                       api_key: str = "none", rounds: int = 1, progress: bool = False) -> dict[str, Any]:
+    """Every level with speculation on and off, ``rounds`` times each (alternating); the results dict written by
+    `write_server_results`."""
     import openai
+
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
 
     client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
                                 timeout=REQUEST_TIMEOUT_S)
@@ -143,23 +151,28 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
     speculative = {"on": {"drafter": drafter}, "off": {"drafter": "none"}}
     for mode in MODES:  # warm-up: one untimed request each way
         await one_request(client, model, prompts[0], max_tokens, speculative[mode])
-    rows, mismatches = [], []
-    for i, level in enumerate(levels):
-        texts: dict[str, list[str]] = {}
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            timings, wall = await run_level(client, model, prompts, level, max_tokens, speculative[mode])
-            texts[mode] = [t.text for t in timings]
-            rows.append({"concurrency": level, "speculative": mode, **summarize(timings, wall)})
-            if progress:
-                r = rows[-1]
-                print(f"concurrency {level:3d} speculative {mode:3s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
-                      f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
-        mismatches += [{"concurrency": level, "prompt": n} for n, (a, b) in enumerate(zip(texts["on"], texts["off"])) if a != b]
+    rows, mismatches, passes = [], [], 0
+    for level in levels:
+        pooled: dict[str, tuple[list[RequestTiming], float]] = {mode: ([], 0.0) for mode in MODES}
+        for _ in range(rounds):
+            texts: dict[str, list[str]] = {}
+            for mode in MODES if passes % 2 == 0 else MODES[::-1]:
+                timings, wall = await run_level(client, model, prompts, level, max_tokens, speculative[mode])
+                texts[mode] = [t.text for t in timings]
+                pooled[mode] = (pooled[mode][0] + timings, pooled[mode][1] + wall)
+                if progress:
+                    r = summarize(timings, wall)
+                    print(f"concurrency {level:3d} speculative {mode:3s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
+                          f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
+            passes += 1
+            mismatches += [{"concurrency": level, "prompt": n}
+                           for n, (a, b) in enumerate(zip(texts["on"], texts["off"])) if a != b]
+        rows += [{"concurrency": level, "speculative": mode, "rounds": rounds, **summarize(*pooled[mode])} for mode in MODES]
     await client.close()
     rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["speculative"])))
     return {
         "settings": {"server": url, "model": model, "drafter": drafter, "prompts": len(prompts), "max_tokens": max_tokens,
-                     "concurrency": list(levels), "decoding": "greedy, streamed",
+                     "concurrency": list(levels), "rounds": rounds, "decoding": "greedy, streamed",
                      "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
                      "request_tokens_per_s": "median over requests of completion tokens / request wall time",
                      "total_tokens_per_s": "completion tokens of the level / level wall time"},
@@ -174,7 +187,8 @@ def server_markdown(results: Mapping[str, Any]) -> str:
     lines = [
         f"# specgraft bench --server: {s['model']}",
         "",
-        f"{s['prompts']} prompts, {s['max_tokens']} tokens each, greedy, streamed; speculative on = drafter "
+        f"{s['prompts']} prompts, {s['max_tokens']} tokens each, greedy, streamed, "
+        f"{s.get('rounds', 1)} round(s) of on and off a level; speculative on = drafter "
         f"`{s['drafter']}`, off = `none`. Outputs identical on and off: "
         + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} differ)."),
         "",
@@ -230,7 +244,7 @@ def server_bench_main(args: argparse.Namespace) -> int:
     prompts = [p.text for p in read_prompt_file(args.prompts, args.limit, args.per_category)]
     results = asyncio.run(bench_server(
         args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
-        api_key=args.api_key or "none", progress=True,
+        api_key=args.api_key or "none", rounds=args.rounds, progress=True,
     ))
     results["settings"]["prompts_file"] = str(args.prompts)
     write_server_results(results, args.out)
