@@ -512,6 +512,17 @@ def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(sto
     assert "| plain |" in markdown and "| self adaptive |" in markdown and "Against plain decoding" in markdown
 
 
+def test_batch_size_rounds_pass_over_the_groups_again_and_pool_them(stories, prompts_file, tmp_path, capsys):
+    args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--tree", "adaptive", "--prompts", str(prompts_file),
+                 "--max-new-tokens", str(N), "--batch-size", "1", "--rounds", "2", "--out", str(tmp_path / "out"), "--json")
+    assert bench_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["greedy_identical"] and printed["settings"]["rounds"] == 2
+    assert {r["method"] for r in printed["rows"]} >= {"plain", "prompt-lookup adaptive"}
+    assert all(r["requests"] == 2 * len(PROMPTS) for r in printed["rows"])  # each prompt twice, pooled
+    assert "2 round(s)" in (tmp_path / "out" / "results.md").read_text()
+
+
 def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_path):
     args = _args("--target", "/nonexistent", "--prompts", str(prompts_file), "--batch-size", "1,x", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--batch-size '1,x'"):

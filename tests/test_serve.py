@@ -453,7 +453,7 @@ def test_bench_server_pools_its_rounds_of_each_level(server, tmp_path, capsys):
     assert "3 round(s)" in (out / "results.md").read_text()
     capsys.readouterr()
     assert main(["bench", "--target", "x", "--rounds", "2", "--prompts", str(prompts), "--out", str(out)]) == 2
-    assert "--rounds applies to --server" in capsys.readouterr().err
+    assert "--rounds applies to --server and --batch-size" in capsys.readouterr().err
 
 
 def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):

@@ -39,8 +39,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --server: each level runs on and off this many times, alternating, and pools "
-                        "them (a level's totals are all its rounds' tokens over all their wall time): served rates "
-                        "move with the machine's load from one pass to the next")
+                        "them (a level's totals are all its rounds' tokens over all their wall time); with "
+                        "--batch-size: this many passes over the groups of each size. Rates move with the machine's "
+                        "load from one pass to the next")
     parser.add_argument("--batch-size", default=None, metavar="B1,B2,...",
                         help="offline: run each method with that many prompts at a time through the scheduler "
                         "(e.g. 1,2,4,8,16): total and per-request throughput, TTFT and ITL, and where speculation "

@@ -438,7 +438,7 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     engine_methods = [m for m in methods if not isinstance(m, Runner)]
     encoded = [encode_prompt(target, p.text) for p in prompts]
     results = run_batch_sweep(
-        target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens
+        target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens, rounds=args.rounds
     )
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
                                small_rows=target.small_rows.to_dict())
@@ -541,8 +541,9 @@ def bench_main(args: argparse.Namespace) -> int:
         return _server_bench(args)
     if not args.target:
         raise ValueError("give --target (offline bench) or --server URL (a running specgraft serve)")
-    if args.rounds != 1:
-        raise ValueError("--rounds applies to --server (the offline bench interleaves its methods prompt by prompt)")
+    if args.rounds != 1 and not args.batch_size:
+        raise ValueError("--rounds applies to --server and --batch-size (the offline bench interleaves its methods "
+                         "prompt by prompt)")
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:

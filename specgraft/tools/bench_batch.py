@@ -9,7 +9,8 @@ nearly free, at large batch the forward is compute-bound and every rejected
 node costs real work. This sweep shows where it stops paying. For each batch
 size the prompts are cut into groups of B; each group runs every method in
 turn (the order rotates from group to group), greedy, so every method must
-give plain decoding's tokens.
+give plain decoding's tokens. ``rounds`` passes over the groups (the
+rotation carries on) pool more time per cell where the machine's load moves.
 
 Per-request figures come from each row's `GenerationStats` (TTFT counts from
 the batch's submission, ITL shares each step's time among its tokens); total
@@ -38,17 +39,20 @@ def run_batch_sweep(
     batch_sizes: Sequence[int],
     max_new_tokens: int,
     progress: bool = True,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Every method at every batch size over the same prompts; see the module doc.
+    """Every method at every batch size over the same prompts, ``rounds`` times; see the module doc.
 
     Raises:
-        ValueError: a batch size larger than the number of prompts, or a method other than
-            plain decoding first (it is the reference every output is checked against).
+        ValueError: a batch size larger than the number of prompts, a method other than plain decoding
+            first (it is the reference every output is checked against), or fewer than one round.
     """
     from tqdm import tqdm
 
     if not methods or methods[0][1] is not None:
         raise ValueError("the first method must be plain decoding (drafter None): it is the reference")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     if max(batch_sizes) > len(prompts) or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes {list(batch_sizes)} need 1 <= B <= the {len(prompts)} prompts given")
     gens = [(name, SpeculativeGenerator(target, drafter, tree=tree)) for name, drafter, tree in methods]
@@ -56,7 +60,7 @@ def run_batch_sweep(
         gen.generate_batch(list(prompts[:2]), max_new_tokens=8, eos_token_id=())
     rows, mismatches = [], []
     for b in batch_sizes:
-        groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)]
+        groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)] * rounds
         runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
         for index, group in enumerate(tqdm(groups, desc=f"batch {b}", unit="group", disable=not progress)):
             for k in range(len(gens)):
@@ -71,7 +75,7 @@ def run_batch_sweep(
             rows.append(_summary(name, b, method_runs))
     return {
         "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                     "batch_sizes": list(batch_sizes), "decoding": "greedy",
+                     "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
                      "order": "interleaved per group of B prompts; the method order rotates by one each group"},
         "rows": rows,
         "crossover": crossover(rows),
@@ -126,7 +130,8 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
     lines = [
         f"# specgraft bench --batch-size: {settings['target']}",
         "",
-        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy. Greedy outputs identical "
+        f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
+        f"{settings.get('rounds', 1)} round(s). Greedy outputs identical "
         "to plain decoding: " + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])})."),
         "",
         "Total tokens/s (tau in brackets):",
