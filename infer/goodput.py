@@ -13,10 +13,12 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
-   sum over rows of (1 + the estimates of its selected nodes) / (T(N) + W R),
+   sum over rows of (1 + the estimates of its selected nodes) / (T(N) + P + W R),
    N the tokens verified, T the target's forward time at N packed tokens, R
-   the rows verifying a tree and W the scheduler's own work on one (masks,
-   acceptance, gathers; fitted to the steps' times beyond their forward). Nodes
+   the rows verifying a tree, P what the first tree adds to the forward (its
+   row leaves the packed one-token rows' single attention call) and W the
+   scheduler's own work on one (masks, acceptance, gathers; fitted to the
+   steps' times beyond their forward). Nodes
    enter by decreasing estimate and an estimate never exceeds its parent's,
    so a selected node's parent is always selected;
 3. learns, after verifying: a node's estimate is its drafter's path
@@ -26,7 +28,8 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    depth, calibrated the same way (selection keeps the rows that were lucky
    lately, so the raw rates run high). T is measured once with a few timed
    forwards, read on the lower convex hull of those times (`convex_floor`),
-   and rescaled by the forward times steps observe; a drafter's cost per row,
+   and rescaled by the forward times steps observe (P from those with trees
+   against those without); a drafter's cost per row,
    a fixed part plus a part per level (prompt lookup pays once for any depth,
    a head once per level), is fitted to the times its rounds take.
 
@@ -48,7 +51,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -75,6 +78,9 @@ RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
 # (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
 PROBE_SHARE = 0.01
 MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
+# T's scale and the work of a tree move a little every `RESCALE_EVERY` steps; plans are priced again only once either
+# moved by this share (of the scale; of T(1) for the work), so a row that plans no draft keeps its plan for many steps.
+PRICE_TOLERANCE = 0.02
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its StepCost, measured once
 # drafter -> what it taught any controller (calibration, reach, cost): learned once per process, not per scheduler.
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -86,7 +92,13 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    observed: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of forwards since the last rescale
+    # A forward in which some row verifies more than its root takes this much longer than its tokens alone: packed,
+    # that row leaves the one SDPA call of the one-token rows (stories260K, 16 rows: 2.06 ms with one chain of 2
+    # against 1.66 ms without, benchmarks/tree_in_batch.py). Learned from such forwards against ``scale``.
+    tree_ratio: float = 1.0
+    # (tokens, seconds) of forwards since the last rescale, without trees and with.
+    observed: list[tuple[int, float]] = field(default_factory=list)
+    observed_trees: list[tuple[int, float]] = field(default_factory=list)
     # Seconds a row verifying a tree adds beyond its forward tokens (tree masks, acceptance, gathers: the scheduler's
     # own work), fitted to steps; and the moving moments of that fit (weight, rows², rows·drafted, drafted², rows·s,
     # drafted·s).
@@ -100,6 +112,22 @@ class StepCost:
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
+        self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
+        self._trees_seen = False  # no forward with a tree observed yet: the first ones set tree_ratio outright
+
+    def price_point(self) -> tuple[float, float, float]:
+        """(scale, work per drafted row, tree ratio) as plans were last priced: held until one moves by
+        `PRICE_TOLERANCE` (the work: of T(1))."""
+        scale, per_drafted, tree_ratio = self._priced_at
+        if (abs(self.scale - scale) > PRICE_TOLERANCE * scale
+                or abs(self.per_drafted - per_drafted) > PRICE_TOLERANCE * self._ys[0] * self.scale
+                or abs(self.tree_ratio - tree_ratio) > PRICE_TOLERANCE):
+            self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
+        return self._priced_at
+
+    def tree_penalty(self, n: int) -> float:
+        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
+        return self(n) * max(self.tree_ratio - 1.0, 0.0)
 
     @classmethod
     def measure(cls, target: Target) -> StepCost:
@@ -160,16 +188,26 @@ class StepCost:
         if det > 1e-9 * max(rr * dd, 1e-30):
             self.per_drafted = max((rr * dy - rd * ry) / det, 0.0)
 
-    def observe(self, n: int, seconds: float) -> None:
-        """A step's forward over ``n`` tokens took ``seconds``: every `RESCALE_EVERY` of them, the curve moves toward
-        their mean observed / predicted (the machine's load moves; a scale that holds between moves lets plans be
-        reused)."""
-        self.observed.append((n, seconds))
-        if len(self.observed) >= RESCALE_EVERY:
-            ratios = [t / p for p, t in ((self(m) / self.scale, t) for m, t in self.observed) if p > 0]
-            self.observed.clear()
-            if ratios:
-                self.scale = (1 - EMA) * self.scale + EMA * sum(ratios) / len(ratios)
+    def observe(self, n: int, seconds: float, trees: bool = False) -> None:
+        """A step's forward over ``n`` tokens, ``trees`` if some row verified more than its root, took ``seconds``.
+
+        Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their mean observed / predicted (the
+        machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
+        ``tree_ratio``; and ``tree_ratio`` moves toward their mean observed / predicted without it (the first ones set
+        it: forwards with trees can be rare).
+        """
+        observed = self.observed_trees if trees else self.observed
+        observed.append((n, seconds))
+        if len(observed) < RESCALE_EVERY:
+            return
+        base = [(self(m) / self.scale, t) for m, t in observed]  # (T at scale 1, seconds)
+        observed.clear()
+        if trees:
+            a = EMA if self._trees_seen else 1.0
+            self._trees_seen = True
+            self.tree_ratio = (1 - a) * self.tree_ratio + a * sum(t / (p * self.scale) for p, t in base) / len(base)
+        ratio = self.tree_ratio if trees else 1.0
+        self.scale = (1 - EMA) * self.scale + EMA * sum(t / (p * ratio) for p, t in base) / len(base)
 
 
 def convex_floor(points: dict[int, float]) -> dict[int, float]:
@@ -240,6 +278,9 @@ class DrafterStats:
     # Moving moments of (levels drafted, seconds per row) over its rounds, for `cost_of`'s straight line.
     moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
     version: int = 0  # moves whenever cost or reach does: a plan priced at an older version is priced again
+    # Moves with any drafter's version and any row's counts (`RowState._pull`): a plan made at the same count has seen
+    # nothing learned since.
+    changes: ClassVar[int] = 0
     warm: bool = False  # a round was timed already: the first (cold: first calls allocate) is not its cost
     # depth -> [verified nodes, sum of the estimates selection used, how many were accepted]: the calibration curve.
     curve: dict[int, list[float]] = field(default_factory=dict)
@@ -248,8 +289,13 @@ class DrafterStats:
     def measured(self) -> bool:
         return self.moments[0] > 0
 
-    def observe_cost(self, levels: int, seconds_per_row: float) -> None:
+    def moved(self) -> None:
+        """Its cost or reach moved: plans priced on the old ones are priced again."""
         self.version += 1
+        DrafterStats.changes += 1
+
+    def observe_cost(self, levels: int, seconds_per_row: float) -> None:
+        self.moved()
         w, mx, my, mxx, mxy = self.moments
         a = EMA if w else 1.0
         self.moments = [min(1.0, w + a), (1 - a) * mx + a * levels, (1 - a) * my + a * seconds_per_row,
@@ -342,6 +388,7 @@ class RowState:
         self.wake = min(probe, quiet)
 
     def _pull(self, drafter: DrafterStats) -> None:
+        DrafterStats.changes += 1
         self.reach = [(h + PRIOR_WEIGHT * drafter.reach_at(d)) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
@@ -381,10 +428,12 @@ class GoodputController:
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
         self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
-        # id(drafter) -> ((batch, T's scale, per drafted row, stats version), fixed, per level, reach prior):
+        # id(drafter) -> ((batch, T's price point, stats version), fixed, per level, reach prior):
         # `plan`'s prices.
         self.priced: dict[int, tuple[tuple[int, float, float, int], float, float, list[float]]] = {}
         self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
+        # The last plan, while it holds (see `plan`): (the first step a row of it is due, its inputs, rows, depths).
+        self._memo: tuple[float, tuple, Sequence, dict[int, int]] | None = None
 
     def step_cost(self) -> StepCost:
         """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
@@ -430,6 +479,10 @@ class GoodputController:
         row probes one level deeper (listed in ``probes``: verified whole; see `PROBE_SHARE`). A drafter whose
         cost was never measured drafts one level: enough to measure it.
 
+        A step whose rows, batch, prices and learning are those of a plan that probed nothing, before any of its
+        rows is due, gets that plan (the same dict: read it, do not change it); under load, where no row drafts,
+        that is most steps, and a step's planning costs a few comparisons.
+
         Args:
             rows: (key, drafter, the deepest it may draft) of each adaptive row.
             batch: rows in the step (every one verifies at least its root).
@@ -437,8 +490,14 @@ class GoodputController:
         cost = self.step_cost()
         self.clock += 1
         clock, states = self.clock, self.rows
+        inputs = (batch, cost.price_point(), DrafterStats.changes)
+        memo = self._memo
+        if memo is not None and clock < memo[0] and memo[1] == inputs and memo[2] == rows:
+            self.probes = set()
+            return memo[3]
         depths: dict[int, int] = {}
         self.probes = set()
+        due = math.inf  # the first step at which one of these rows needs planning again
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
@@ -454,6 +513,9 @@ class GoodputController:
             depths[key] = plan[2]
             if clock >= row.wake:
                 self._wake(key, row, drafter, plan, depths)
+            due = min(due, row.wake)
+        # Kept only where nothing probes and every drafter was timed (one never timed drafts at once, to be).
+        self._memo = (due, inputs, rows, depths) if not self.probes and None not in prices.values() else None
         return depths
 
     def _wake(self, key: int, row: RowState, drafter: Any, plan: tuple, depths: dict[int, int]) -> None:
@@ -487,19 +549,21 @@ class GoodputController:
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:
         """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
         is unmeasured. Drafting and verifying d levels costs fixed + per_level * d tokens of plain goodput; its
-        reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, T's scale
-        or the drafter's statistics moved (or a deeper prior is asked for)."""
+        reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, the
+        drafter's statistics or `StepCost.price_point` moved (or a deeper prior is asked for)."""
         stats = self._stats(drafter)
         if not stats.measured:
             return None
-        inputs = (batch, cost.scale, cost.per_drafted, stats.version)
+        inputs = (batch, cost.price_point(), stats.version)
         priced = self.priced.get(id(drafter))
         if priced is None or priced[0] != inputs or len(priced[3]) < max_depth:
             base = cost(batch)
             goodput = batch / base  # committed tokens per second of plain decoding at this batch
             marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
             fixed, per_level = stats.cost_line()
-            fixed += cost.per_drafted  # a row that drafts verifies a tree: the scheduler's work beyond the tokens
+            # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
+            # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
+            fixed += cost.per_drafted + cost.tree_penalty(batch)
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
         return priced
@@ -572,12 +636,16 @@ class GoodputController:
             pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
         pool.sort()  # by estimate, parents before children on ties
         fixed_trees = sum(1 for c in candidates if not c.adaptive and c.tree.num_nodes > 1)
-        extra = cost.per_drafted * fixed_trees  # each row verifying a tree costs the scheduler's work on it
+        # Each row verifying a tree costs the scheduler's work on it; the first tree of the step, the forward's penalty.
+        penalty = cost.tree_penalty(tokens)
+        extra = cost.per_drafted * fixed_trees + (penalty if fixed_trees else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
         gained, opened = expected, set()
         for k, (neg, _, r, _) in enumerate(pool, start=1):
             gained -= neg
             if r not in opened:  # this row's first node: it now verifies a tree
+                if not opened and not fixed_trees:
+                    extra += penalty
                 opened.add(r)
                 extra += cost.per_drafted
             rate = gained / (cost(tokens + k) + extra)
@@ -605,15 +673,14 @@ class GoodputController:
 
     # ------------------------------------------------------------------ 3. learn
 
-    def observe_forward(self, tokens: int, seconds: float) -> None:
+    def observe_times(self, tokens: int, forward: float, rows: int, drafted: int, beyond: float) -> None:
+        """A step's times: ``forward`` seconds of its target forward over ``tokens`` packed tokens (0: not one forward,
+        Hugging Face's row by row, left untimed) and ``beyond`` seconds of its work beyond it (selection, commits)
+        over ``rows`` rows, ``drafted`` of which verified a tree."""
         if self.cost is not None:
-            self.cost.observe(tokens, seconds)
-
-    def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
-        """A step's work beyond its forward (selection, commits) took ``seconds`` over ``rows`` rows, ``drafted`` of
-        which verified a tree."""
-        if self.cost is not None:
-            self.cost.observe_step(rows, drafted, seconds)
+            if tokens:
+                self.cost.observe(tokens, forward, trees=tokens > rows)
+            self.cost.observe_step(rows, drafted, beyond)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
         """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""
@@ -638,5 +705,5 @@ class GoodputController:
                 point[2] += i in on_path
         accepted, verified = len(on_path) - 1, tree.max_depth
         update_reach(stats.reach, accepted, verified)
-        stats.version += 1
+        stats.moved()
         row.observe(accepted, verified, stats, self.clock)

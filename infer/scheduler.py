@@ -148,6 +148,7 @@ class Scheduler:
         self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
         self.closed = closed
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
+        self._forward_tokens = 0  # the tokens of that forward, where it was one (0: Hugging Face's, row by row)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
         self._next_handle = 0
 
@@ -311,7 +312,7 @@ class Scheduler:
         live = [r for r in live if r.handle in trees]
         if not live:
             return
-        start, self._forward_seconds = time.perf_counter(), 0.0
+        start, self._forward_seconds, self._forward_tokens = time.perf_counter(), 0.0, 0
         drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
             self.counters.adaptive_selected = None if not self._adaptive_rows else 0
@@ -327,8 +328,8 @@ class Scheduler:
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
         if self.controller is not None:  # what verifying trees costs beyond their tokens: the scheduler's own work
-            seconds = time.perf_counter() - start - self._forward_seconds
-            self.controller.observe_overhead(len(live), len(drafted), seconds)
+            beyond = time.perf_counter() - start - self._forward_seconds
+            self.controller.observe_times(self._forward_tokens, self._forward_seconds, len(live), len(drafted), beyond)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
@@ -430,8 +431,8 @@ class Scheduler:
                 self._forward_seconds += time.perf_counter() - start
                 if result is not None:
                     verified[request.handle] = result
-                    if self.pool is not None and self.controller is not None:  # one row: the step's one forward
-                        self.controller.observe_forward(tree.num_nodes, time.perf_counter() - start)
+                    if self.pool is not None:  # one row: the step's one forward
+                        self._forward_tokens = tree.num_nodes
             return verified
         segments, tokens, positions = [], [], []
         for request in live:
@@ -444,8 +445,7 @@ class Scheduler:
         start = time.perf_counter()
         out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
         self._forward_seconds = time.perf_counter() - start
-        if self.controller is not None:
-            self.controller.observe_forward(sum(s.size for s in segments), self._forward_seconds)
+        self._forward_tokens = sum(s.size for s in segments)
         verified, offset = {}, 0
         for request, segment in zip(live, segments):
             part = slice(offset, offset + segment.size)

@@ -65,6 +65,40 @@ def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_pr
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1
 
 
+def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
+    cost = StepCost({1: 1.0, 64: 1.0})  # a flat curve: 1 s at any size
+    assert cost.tree_penalty(16) == 0.0  # no forward with a tree seen: no penalty
+    for _ in range(RESCALE_EVERY):
+        cost.observe(16, 1.0)
+        cost.observe(17, 1.3, trees=True)  # a tree in the batch: 30% longer
+    assert cost.tree_ratio == pytest.approx(1.3) and cost.scale == pytest.approx(1.0)
+    assert cost.tree_penalty(16) == pytest.approx(0.3)
+    for _ in range(RESCALE_EVERY * 60):  # the machine slows down twofold: both kinds of forward take twice as long
+        cost.observe(16, 2.0)
+        cost.observe(17, 2.6, trees=True)
+    assert cost.scale == pytest.approx(2.0, rel=1e-2) and cost.tree_ratio == pytest.approx(1.3, rel=1e-2)
+    assert cost.tree_penalty(16) == pytest.approx(0.6, rel=1e-2)
+
+
+def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
+    ctl.cost.tree_ratio = 1.5  # the first tree adds half a forward
+    weak, fair = tree_of([-1, 0], logp=[0.0, math.log(0.4)]), tree_of([-1, 0], logp=[0.0, math.log(0.6)])
+    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 1  # 1.4 tokens in 1.5 s: plain's 1 a second wins
+    assert ctl.select([Candidate(0, d, fair, True)])[0].num_nodes == 2  # 1.6 in 1.5 s
+    two = ctl.select([Candidate(0, d, fair, True), Candidate(1, d, fair, True)])  # 3.2 tokens in 1.5 s, beats 2 in 1
+    assert [t.num_nodes for t in two.values()] == [2, 2]
+    stats = ctl.stats(d)
+    for _ in range(10):
+        stats.observe_cost(1, 0.01)
+        stats.observe_cost(2, 0.02)
+    stats.reach = [0.9]
+    ctl.cost.tree_ratio = 1.0
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}  # 0.9 tokens for 0.01 s of drafting
+    ctl.cost.tree_ratio = 2.0  # a whole forward more: 0.9 tokens no longer repay it
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 0}
+
+
 def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_tokens_looks_free():
     from specgraft.infer.goodput import convex_floor
 
@@ -155,6 +189,38 @@ def test_plan_drafts_the_depth_whose_expected_tokens_best_repay_its_cost_at_plai
     slow.reach = stats.reach
     assert ctl.plan([(1, d2, 6)], batch=1) == {1: 3}
     assert ctl.plan([(1, d2, 6)], batch=8) == {1: 0}  # 8 rows: goodput 6.7 tokens a second; no depth pays
+
+
+def test_a_plan_holds_until_what_it_read_moves_and_then_is_made_again():
+    """Steps that change nothing a plan read reuse it; a drafter's cost, a row's counts, the rows themselves or T's
+    scale moving make it again."""
+
+    def costs(stats: DrafterStats, per_level: float) -> None:  # rounds of 1 and 2 levels until the fit is per_level
+        for _ in range(40):
+            stats.observe_cost(1, per_level)
+            stats.observe_cost(2, 2 * per_level)
+
+    d = Drafter()
+    ctl = controller({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 64: 8.0})  # batch 1: 1 token a second; 0.024 s a token more
+    stats = ctl.stats(d)
+    stats.reach = [0.9, 0.8, 0.6]
+    costs(stats, 1.0)  # a level costs a second: no depth pays
+    assert ctl.plan([(0, d, 3)], batch=1) == {0: 0}
+    assert ctl.plan([(0, d, 3)], batch=1) == {0: 0}
+    costs(stats, 0.3)  # 0.324 tokens a level: every depth pays
+    assert ctl.plan([(0, d, 3)], batch=1) == {0: 3}
+    for _ in range(40):  # the row's own misses at every depth: its reach falls below the price
+        ctl.row(0).observe(0, 3, stats, now=ctl.clock)
+    assert ctl.plan([(0, d, 3)], batch=1) == {0: 0}
+    assert ctl.plan([(0, d, 3), (1, d, 3)], batch=1) == {0: 0, 1: 3}  # a new row starts from its drafter's reach
+
+    slow = Drafter()
+    costs(ctl.stats(slow), 1.0)
+    ctl.stats(slow).reach = [0.9]
+    assert ctl.plan([(2, slow, 1)], batch=1) == {2: 0}
+    for _ in range(RESCALE_EVERY * 40):  # the target's forwards now take 100 times as long: drafting costs little beside
+        ctl.cost.observe(1, 100.0)
+    assert ctl.plan([(2, slow, 1)], batch=1) == {2: 1}
 
 
 def test_calibration_learns_accepted_over_predicted_by_depth_from_a_prior_of_one():
