@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -74,6 +75,10 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 64  # cached tokens before the timed forwards
 COST_REPEATS = 4  # timed forwards per size; the fastest counts
 RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
+# Steps over which the fit of a tree's scheduler work decays (by 1/e): rows that draft can be a few percent of the
+# steps, and a memory of 40 steps (EMA per fold) held a handful of them (stories260K, batch 1, prompt lookup: 205 us
+# fitted against 142 us between the drafted steps' mean and the others').
+OVERHEAD_MEMORY = 256
 # Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
 # (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
 PROBE_SHARE = 0.01
@@ -92,16 +97,17 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    # A forward in which some row verifies more than its root takes this much longer than its tokens alone: packed,
-    # that row leaves the one SDPA call of the one-token rows (stories260K, 16 rows: 2.06 ms with one chain of 2
-    # against 1.66 ms without, benchmarks/tree_in_batch.py). Learned from such forwards against ``scale``.
+    # A packed forward (several rows) in which some row verifies more than its root takes this much longer than its
+    # tokens alone: that row leaves the one SDPA call of the one-token rows (stories260K, 16 rows: 2.06 ms with one
+    # chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). Learned from such forwards against ``scale``.
+    # A row alone has no such step: ``scale`` absorbs what its trees cost.
     tree_ratio: float = 1.0
     # (tokens, seconds) of forwards since the last rescale, without trees and with.
     observed: list[tuple[int, float]] = field(default_factory=list)
     observed_trees: list[tuple[int, float]] = field(default_factory=list)
     # Seconds a row verifying a tree adds beyond its forward tokens (tree masks, acceptance, gathers: the scheduler's
-    # own work), fitted to steps; and the moving moments of that fit (weight, rows², rows·drafted, drafted², rows·s,
-    # drafted·s).
+    # own work), fitted to steps; and the decaying sums of that fit (steps, rows², rows·drafted, drafted², rows·s,
+    # drafted·s; see `OVERHEAD_MEMORY`).
     per_drafted: float = 0.0
     moments: list[float] = field(default_factory=lambda: [0.0] * 6)
     steps: int = 0
@@ -125,9 +131,10 @@ class StepCost:
             self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
         return self._priced_at
 
-    def tree_penalty(self, n: int) -> float:
-        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
-        return self(n) * max(self.tree_ratio - 1.0, 0.0)
+    def tree_penalty(self, n: int, rows: int) -> float:
+        """Seconds a forward over ``n`` tokens of ``rows`` rows takes longer when some row in it verifies a tree (see
+        ``tree_ratio``; none for a row alone)."""
+        return self(n) * max(self.tree_ratio - 1.0, 0.0) if rows > 1 else 0.0
 
     @classmethod
     def measure(cls, target: Target) -> StepCost:
@@ -168,7 +175,7 @@ class StepCost:
 
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """A step's verification and commits beyond its forward took ``seconds`` for ``rows`` rows of which ``drafted``
-        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (moving least squares, no intercept,
+        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (least squares over decaying sums, no intercept,
         refitted every `RESCALE_EVERY` steps: plans priced on it are reused between)."""
         p = self.pending
         p[0] += 1.0
@@ -180,8 +187,8 @@ class StepCost:
         self.steps += 1
         if self.steps % RESCALE_EVERY:
             return
-        a = EMA if self.moments[0] else 1.0
-        self.moments = [(1 - a) * m + a * v / p[0] for m, v in zip(self.moments, p)]
+        decay = (1 - 1 / OVERHEAD_MEMORY) ** RESCALE_EVERY
+        self.moments = [decay * m + v for m, v in zip(self.moments, p)]
         self.pending = [0.0] * 6
         _, rr, rd, dd, ry, dy = self.moments
         det = rr * dd - rd * rd
@@ -202,10 +209,10 @@ class StepCost:
             return
         base = [(self(m) / self.scale, t) for m, t in observed]  # (T at scale 1, seconds)
         observed.clear()
-        if trees:
+        if trees:  # the median: a forward's first trees run cold, and the first of them set the ratio outright
             a = EMA if self._trees_seen else 1.0
             self._trees_seen = True
-            self.tree_ratio = (1 - a) * self.tree_ratio + a * sum(t / (p * self.scale) for p, t in base) / len(base)
+            self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
         ratio = self.tree_ratio if trees else 1.0
         self.scale = (1 - EMA) * self.scale + EMA * sum(t / (p * ratio) for p, t in base) / len(base)
 
@@ -563,7 +570,7 @@ class GoodputController:
             fixed, per_level = stats.cost_line()
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
-            fixed += cost.per_drafted + cost.tree_penalty(batch)
+            fixed += cost.per_drafted + cost.tree_penalty(batch, batch)
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
         return priced
@@ -637,7 +644,7 @@ class GoodputController:
         pool.sort()  # by estimate, parents before children on ties
         fixed_trees = sum(1 for c in candidates if not c.adaptive and c.tree.num_nodes > 1)
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step, the forward's penalty.
-        penalty = cost.tree_penalty(tokens)
+        penalty = cost.tree_penalty(tokens, len(candidates))
         extra = cost.per_drafted * fixed_trees + (penalty if fixed_trees else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
         gained, opened = expected, set()
@@ -679,7 +686,7 @@ class GoodputController:
         over ``rows`` rows, ``drafted`` of which verified a tree."""
         if self.cost is not None:
             if tokens:
-                self.cost.observe(tokens, forward, trees=tokens > rows)
+                self.cost.observe(tokens, forward, trees=rows > 1 and tokens > rows)
             self.cost.observe_step(rows, drafted, beyond)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:

@@ -67,36 +67,39 @@ def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_pr
 
 def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
     cost = StepCost({1: 1.0, 64: 1.0})  # a flat curve: 1 s at any size
-    assert cost.tree_penalty(16) == 0.0  # no forward with a tree seen: no penalty
+    assert cost.tree_penalty(16, 16) == 0.0  # no forward with a tree seen: no penalty
     for _ in range(RESCALE_EVERY):
         cost.observe(16, 1.0)
         cost.observe(17, 1.3, trees=True)  # a tree in the batch: 30% longer
     assert cost.tree_ratio == pytest.approx(1.3) and cost.scale == pytest.approx(1.0)
-    assert cost.tree_penalty(16) == pytest.approx(0.3)
+    assert cost.tree_penalty(16, 16) == pytest.approx(0.3)
+    assert cost.tree_penalty(4, 1) == 0.0  # a row alone: no one-token rows' call to leave
     for _ in range(RESCALE_EVERY * 60):  # the machine slows down twofold: both kinds of forward take twice as long
         cost.observe(16, 2.0)
         cost.observe(17, 2.6, trees=True)
     assert cost.scale == pytest.approx(2.0, rel=1e-2) and cost.tree_ratio == pytest.approx(1.3, rel=1e-2)
-    assert cost.tree_penalty(16) == pytest.approx(0.6, rel=1e-2)
+    assert cost.tree_penalty(16, 16) == pytest.approx(0.6, rel=1e-2)
 
 
 def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
-    ctl.cost.tree_ratio = 1.5  # the first tree adds half a forward
-    weak, fair = tree_of([-1, 0], logp=[0.0, math.log(0.4)]), tree_of([-1, 0], logp=[0.0, math.log(0.6)])
-    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 1  # 1.4 tokens in 1.5 s: plain's 1 a second wins
-    assert ctl.select([Candidate(0, d, fair, True)])[0].num_nodes == 2  # 1.6 in 1.5 s
-    two = ctl.select([Candidate(0, d, fair, True), Candidate(1, d, fair, True)])  # 3.2 tokens in 1.5 s, beats 2 in 1
-    assert [t.num_nodes for t in two.values()] == [2, 2]
+    ctl.cost.tree_ratio = 1.5  # beside other rows, the first tree adds half a forward
+    plain = Candidate(9, d, tree_of([-1]), True)
+    strong = tree_of([-1, 0, 1], logp=[0.0, math.log(0.9), math.log(0.8)])
+    weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.6), math.log(0.3)])
+    assert ctl.select([Candidate(0, d, strong, True), plain])[0].num_nodes == 3  # 3.7 tokens in 1.5 s beat 2 in 1
+    assert ctl.select([Candidate(0, d, weak, True), plain])[0].num_nodes == 1  # 2.9 in 1.5 s do not
+    two = ctl.select([Candidate(0, d, weak, True), Candidate(1, d, weak, True)])  # 3.8 in 1.5 s: the penalty is shared
+    assert [t.num_nodes for t in two.values()] == [3, 3]
+    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # a row alone pays no penalty: 1.9 in 1 s
     stats = ctl.stats(d)
     for _ in range(10):
         stats.observe_cost(1, 0.01)
         stats.observe_cost(2, 0.02)
     stats.reach = [0.9]
+    assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 0, 1: 0}  # 0.9 tokens do not repay half a forward each
     ctl.cost.tree_ratio = 1.0
-    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}  # 0.9 tokens for 0.01 s of drafting
-    ctl.cost.tree_ratio = 2.0  # a whole forward more: 0.9 tokens no longer repay it
-    assert ctl.plan([(0, d, 1)], batch=1) == {0: 0}
+    assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 1, 1: 1}
 
 
 def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_tokens_looks_free():

@@ -65,10 +65,9 @@ class Tree:
 
     @classmethod
     def root_only(cls, token: int, device: torch.device | str = "cpu") -> Tree:
-        """The tree of plain decoding: the root and nothing to verify (every plain row, every step: the
-        structure's tensors are made once per device and shared, read-only)."""
-        parents, depth, scores, ancestors = _root_structure(torch.device(device))
-        return cls(torch.tensor([token], device=device), parents, depth, scores, ancestors=ancestors)
+        """The tree of plain decoding: the root and nothing to verify. Every plain row asks for one every step, so
+        each is made once per token and device and shared, read-only (5-7 us a row a step before, here)."""
+        return _root_only(int(token), torch.device(device))
 
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
@@ -134,6 +133,9 @@ class Tree:
         return (self.parents == node).nonzero().flatten()
 
 
+ROOT_TREES = 8192  # one-node trees kept (one per token and device): the tokens a run meets most, a few MB
+
+
 @functools.cache
 def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(parents, depth, scores, ancestors) of a one-node tree on ``device``."""
@@ -143,4 +145,10 @@ def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
         torch.zeros(1, device=device),
         torch.ones(1, 1, dtype=torch.bool, device=device),
     )
+
+
+@functools.lru_cache(maxsize=ROOT_TREES)
+def _root_only(token: int, device: torch.device) -> Tree:
+    parents, depth, scores, ancestors = _root_structure(device)
+    return Tree(torch.tensor([token], device=device), parents, depth, scores, ancestors=ancestors)
 
