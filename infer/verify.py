@@ -10,6 +10,7 @@ in the stats (`is_lossless`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +38,8 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
         tree: N nodes, node 0 the root.
         logits: (N, V) target logits at each node.
     """
+    if tree.num_nodes == 1:  # plain decoding: nothing to compare; the target's choice is the next token
+        return Acceptance(path=_root_path(logits.device), next_token=int(logits[0].argmax()))
     choice = logits.argmax(dim=-1)  # (N,) target's token after each node
     if tree.is_chain:  # plain decoding and chains: the first mismatch ends the path, no mask needed
         agree = (tree.tokens[1:] == choice[:-1]).tolist()
@@ -48,6 +51,12 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
     alive = ~(tree.ancestor_mask() & ~match[None]).any(dim=1)  # (N,)
     best = int(torch.where(alive, tree.depth, -1).argmax())
     return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=int(choice[best]))
+
+
+@functools.cache
+def _root_path(device: torch.device) -> torch.Tensor:
+    """(1,) the path of a root alone, shared read-only (every plain row, every step)."""
+    return torch.zeros(1, dtype=torch.long, device=device)
 
 
 # Below this mass a residual max(p - q, 0) is rounding noise, not a distribution.
