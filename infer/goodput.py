@@ -57,7 +57,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from specgraft.model import Target
-from specgraft.tree import Tree, subtree
+from specgraft.tree import ROOT_PARENT, Tree, subtree, tree_attention_mask, tree_position_ids
 
 # Step costs are learned as exponential moving averages with this weight on the newest observation.
 EMA = 0.2
@@ -97,11 +97,13 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    # A packed forward (several rows) in which some row verifies more than its root takes this much longer than its
-    # tokens alone: that row leaves the one SDPA call of the one-token rows (stories260K, 16 rows: 2.06 ms with one
-    # chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). Learned from such forwards against ``scale``.
-    # A row alone has no such step: ``scale`` absorbs what its trees cost.
+    # A forward in which some row verifies more than its root takes this much longer than its tokens alone. A row
+    # alone verifies a tree under a mask (stories260K: 1.19 T(1) for 2 tokens, where a causal forward takes 1.03);
+    # packed, that row also leaves the one SDPA call of the one-token rows (16 rows: 2.06 ms with one chain of 2
+    # against 1.66 ms without, benchmarks/tree_in_batch.py). A step jump the convex curve cannot hold: timed once at
+    # start-up on a row alone (``trees_seen``), then learned from the forwards with trees against ``scale``.
     tree_ratio: float = 1.0
+    trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
     # (tokens, seconds) of forwards since the last rescale, without trees and with.
     observed: list[tuple[int, float]] = field(default_factory=list)
     observed_trees: list[tuple[int, float]] = field(default_factory=list)
@@ -119,7 +121,6 @@ class StepCost:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
         self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
-        self._trees_seen = False  # no forward with a tree observed yet: the first ones set tree_ratio outright
 
     def price_point(self) -> tuple[float, float, float]:
         """(scale, work per drafted row, tree ratio) as plans were last priced: held until one moves by
@@ -131,10 +132,9 @@ class StepCost:
             self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
         return self._priced_at
 
-    def tree_penalty(self, n: int, rows: int) -> float:
-        """Seconds a forward over ``n`` tokens of ``rows`` rows takes longer when some row in it verifies a tree (see
-        ``tree_ratio``; none for a row alone)."""
-        return self(n) * max(self.tree_ratio - 1.0, 0.0) if rows > 1 else 0.0
+    def tree_penalty(self, n: int) -> float:
+        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
+        return self(n) * max(self.tree_ratio - 1.0, 0.0)
 
     @classmethod
     def measure(cls, target: Target) -> StepCost:
@@ -159,7 +159,21 @@ class StepCost:
                 cache.crop(cached)
                 best = min(best, elapsed) if attempt else best
             points[n] = best
-        return cls(convex_floor(points))
+        curve = convex_floor(points)
+        # A row's tree as the engine verifies one: its mask made, then a masked forward (the root and 3 children).
+        tree = Tree(tokens=(torch.arange(4, device=device) * 7919 + 11) % target.vocab_size,
+                    parents=torch.tensor([ROOT_PARENT, 0, 0, 0], device=device),
+                    depth=torch.tensor([0, 1, 1, 1], device=device), scores=torch.zeros(4, device=device))
+        best = math.inf
+        for attempt in range(COST_REPEATS + 1):
+            start = time.perf_counter()
+            mask = tree_attention_mask(tree, cached, target.dtype)
+            target.forward(tree.tokens[None], cache, tree_position_ids(tree, cached), mask)
+            elapsed = time.perf_counter() - start
+            cache.crop(cached)
+            best = min(best, elapsed) if attempt else best
+        ratio = max(best / curve[4], 1.0) if 4 in curve else 1.0
+        return cls(curve, tree_ratio=ratio, trees_seen=4 in curve)
 
     def __call__(self, n: int) -> float:
         xs, ys = self._xs, self._ys
@@ -209,9 +223,9 @@ class StepCost:
             return
         base = [(self(m) / self.scale, t) for m, t in observed]  # (T at scale 1, seconds)
         observed.clear()
-        if trees:  # the median: a forward's first trees run cold, and the first of them set the ratio outright
-            a = EMA if self._trees_seen else 1.0
-            self._trees_seen = True
+        if trees:  # the median: a forward's first trees run cold
+            a = EMA if self.trees_seen else 1.0
+            self.trees_seen = True
             self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
         ratio = self.tree_ratio if trees else 1.0
         self.scale = (1 - EMA) * self.scale + EMA * sum(t / (p * ratio) for p, t in base) / len(base)
@@ -570,7 +584,7 @@ class GoodputController:
             fixed, per_level = stats.cost_line()
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
-            fixed += cost.per_drafted + cost.tree_penalty(batch, batch)
+            fixed += cost.per_drafted + cost.tree_penalty(batch)
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
         return priced
@@ -644,7 +658,7 @@ class GoodputController:
         pool.sort()  # by estimate, parents before children on ties
         fixed_trees = sum(1 for c in candidates if not c.adaptive and c.tree.num_nodes > 1)
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step, the forward's penalty.
-        penalty = cost.tree_penalty(tokens, len(candidates))
+        penalty = cost.tree_penalty(tokens)
         extra = cost.per_drafted * fixed_trees + (penalty if fixed_trees else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
         gained, opened = expected, set()
@@ -686,7 +700,7 @@ class GoodputController:
         over ``rows`` rows, ``drafted`` of which verified a tree."""
         if self.cost is not None:
             if tokens:
-                self.cost.observe(tokens, forward, trees=rows > 1 and tokens > rows)
+                self.cost.observe(tokens, forward, trees=tokens > rows)
             self.cost.observe_step(rows, drafted, beyond)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:

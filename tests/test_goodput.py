@@ -67,23 +67,22 @@ def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_pr
 
 def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
     cost = StepCost({1: 1.0, 64: 1.0})  # a flat curve: 1 s at any size
-    assert cost.tree_penalty(16, 16) == 0.0  # no forward with a tree seen: no penalty
+    assert cost.tree_penalty(16) == 0.0  # no forward with a tree seen: no penalty
     for _ in range(RESCALE_EVERY):
         cost.observe(16, 1.0)
         cost.observe(17, 1.3, trees=True)  # a tree in the batch: 30% longer
     assert cost.tree_ratio == pytest.approx(1.3) and cost.scale == pytest.approx(1.0)
-    assert cost.tree_penalty(16, 16) == pytest.approx(0.3)
-    assert cost.tree_penalty(4, 1) == 0.0  # a row alone: no one-token rows' call to leave
+    assert cost.tree_penalty(16) == pytest.approx(0.3)
     for _ in range(RESCALE_EVERY * 60):  # the machine slows down twofold: both kinds of forward take twice as long
         cost.observe(16, 2.0)
         cost.observe(17, 2.6, trees=True)
     assert cost.scale == pytest.approx(2.0, rel=1e-2) and cost.tree_ratio == pytest.approx(1.3, rel=1e-2)
-    assert cost.tree_penalty(16, 16) == pytest.approx(0.6, rel=1e-2)
+    assert cost.tree_penalty(16) == pytest.approx(0.6, rel=1e-2)
 
 
 def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
-    ctl.cost.tree_ratio = 1.5  # beside other rows, the first tree adds half a forward
+    ctl.cost.tree_ratio = 1.5  # the first tree adds half a forward
     plain = Candidate(9, d, tree_of([-1]), True)
     strong = tree_of([-1, 0, 1], logp=[0.0, math.log(0.9), math.log(0.8)])
     weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.6), math.log(0.3)])
@@ -91,7 +90,7 @@ def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     assert ctl.select([Candidate(0, d, weak, True), plain])[0].num_nodes == 1  # 2.9 in 1.5 s do not
     two = ctl.select([Candidate(0, d, weak, True), Candidate(1, d, weak, True)])  # 3.8 in 1.5 s: the penalty is shared
     assert [t.num_nodes for t in two.values()] == [3, 3]
-    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # a row alone pays no penalty: 1.9 in 1 s
+    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # alone: 1.9 tokens in 1.5 s beat 1 in 1
     stats = ctl.stats(d)
     for _ in range(10):
         stats.observe_cost(1, 0.01)
@@ -124,6 +123,7 @@ def test_the_step_cost_is_timed_within_a_short_context():
     target = sg.load_target(LlamaForCausalLM(config).eval())
     cost = StepCost.measure(target)  # 40 positions: 20 cached, then N up to 20
     assert max(cost.points) == 16 and all(b >= a for a, b in zip(cost._ys, cost._ys[1:]))
+    assert cost.trees_seen and cost.tree_ratio >= 1.0  # a masked tree of 4 timed too: the ratio's starting point
 
 
 def test_selection_keeps_every_node_when_verifying_is_free_and_none_when_each_token_costs_a_forward():
