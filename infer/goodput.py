@@ -15,8 +15,9 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    to verify: the set maximising expected committed tokens per second,
    sum over rows of (1 + the estimates of its selected nodes) / (T(N) + P + W R),
    N the tokens verified, T the target's forward time at N packed tokens, R
-   the rows verifying a tree, P what the first tree adds to the forward (its
-   row leaves the packed one-token rows' single attention call) and W the
+   the rows verifying a tree, P what the first tree adds to the forward (a
+   masked forward; packed, its row also leaves the one-token rows' single
+   attention call) and W the
    scheduler's own work on one (masks, acceptance, gathers; fitted to the
    steps' times beyond their forward). Nodes
    enter by decreasing estimate and an estimate never exceeds its parent's,
@@ -189,8 +190,8 @@ class StepCost:
 
     def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
         """A step's verification and commits beyond its forward took ``seconds`` for ``rows`` rows of which ``drafted``
-        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (least squares over decaying sums, no intercept,
-        refitted every `RESCALE_EVERY` steps: plans priced on it are reused between)."""
+        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (least squares over decaying sums, no
+        intercept, refitted every `RESCALE_EVERY` steps: plans priced on it are reused between)."""
         p = self.pending
         p[0] += 1.0
         p[1] += rows * rows
@@ -214,8 +215,8 @@ class StepCost:
 
         Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their mean observed / predicted (the
         machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
-        ``tree_ratio``; and ``tree_ratio`` moves toward their mean observed / predicted without it (the first ones set
-        it: forwards with trees can be rare).
+        ``tree_ratio``; and ``tree_ratio`` moves toward their median observed / predicted without it (set outright by
+        the first ones where it was not timed at start-up).
         """
         observed = self.observed_trees if trees else self.observed
         observed.append((n, seconds))
@@ -449,9 +450,8 @@ class GoodputController:
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
         self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
-        # id(drafter) -> ((batch, T's price point, stats version), fixed, per level, reach prior):
-        # `plan`'s prices.
-        self.priced: dict[int, tuple[tuple[int, float, float, int], float, float, list[float]]] = {}
+        # id(drafter) -> ((batch, T's price point, stats version), fixed, per level, reach prior): `plan`'s prices.
+        self.priced: dict[int, tuple[tuple, float, float, list[float]]] = {}
         self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
         # The last plan, while it holds (see `plan`): (the first step a row of it is due, its inputs, rows, depths).
         self._memo: tuple[float, tuple, Sequence, dict[int, int]] | None = None
