@@ -99,10 +99,11 @@ class StepCost:
     points: dict[int, float]
     scale: float = 1.0
     # A forward in which some row verifies more than its root takes this much longer than its tokens alone. A row
-    # alone verifies a tree under a mask (stories260K: 1.19 T(1) for 2 tokens, where a causal forward takes 1.03);
-    # packed, that row also leaves the one SDPA call of the one-token rows (16 rows: 2.06 ms with one chain of 2
-    # against 1.66 ms without, benchmarks/tree_in_batch.py). A step jump the convex curve cannot hold: timed once at
-    # start-up on a row alone (``trees_seen``), then learned from the forwards with trees against ``scale``.
+    # alone verifies a tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three
+    # start-ups; SmolLM2 1.00); packed, that row also leaves the one SDPA call of the one-token rows (16 rows: 2.06 ms
+    # with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the convex curve cannot hold:
+    # timed once at start-up on a row alone (``trees_seen``), then learned from the forwards with trees against
+    # ``scale``.
     tree_ratio: float = 1.0
     trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
     # (tokens, seconds) of forwards since the last rescale, without trees and with.
@@ -160,21 +161,7 @@ class StepCost:
                 cache.crop(cached)
                 best = min(best, elapsed) if attempt else best
             points[n] = best
-        curve = convex_floor(points)
-        # A row's tree as the engine verifies one: its mask made, then a masked forward (the root and 3 children).
-        tree = Tree(tokens=(torch.arange(4, device=device) * 7919 + 11) % target.vocab_size,
-                    parents=torch.tensor([ROOT_PARENT, 0, 0, 0], device=device),
-                    depth=torch.tensor([0, 1, 1, 1], device=device), scores=torch.zeros(4, device=device))
-        best = math.inf
-        for attempt in range(COST_REPEATS + 1):
-            start = time.perf_counter()
-            mask = tree_attention_mask(tree, cached, target.dtype)
-            target.forward(tree.tokens[None], cache, tree_position_ids(tree, cached), mask)
-            elapsed = time.perf_counter() - start
-            cache.crop(cached)
-            best = min(best, elapsed) if attempt else best
-        ratio = max(best / curve[4], 1.0) if 4 in curve else 1.0
-        return cls(curve, tree_ratio=ratio, trees_seen=4 in curve)
+        return cls(convex_floor(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
         xs, ys = self._xs, self._ys
@@ -230,6 +217,30 @@ class StepCost:
             self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
         ratio = self.tree_ratio if trees else 1.0
         self.scale = (1 - EMA) * self.scale + EMA * sum(t / (p * ratio) for p, t in base) / len(base)
+
+
+def _tree_ratio(target: Target, cache: Any, cached: int) -> float:
+    """A row's tree of 4 as the engine verifies one (its mask made, then a masked forward) over 4 causal tokens,
+    timed in turns after ``cached`` tokens, the fastest of each (a ratio of times taken apart moved by half with the
+    machine's load)."""
+    device = target.device
+    tokens = (torch.arange(4, device=device) * 7919 + 11) % target.vocab_size
+    star = Tree(tokens=tokens, parents=torch.tensor([ROOT_PARENT, 0, 0, 0], device=device),
+                depth=torch.tensor([0, 1, 1, 1], device=device), scores=torch.zeros(4, device=device))
+    best = {"tree": math.inf, "causal": math.inf}
+    for attempt in range(2 * COST_REPEATS + 1):  # the first of each warms up
+        for kind in best:
+            start = time.perf_counter()
+            if kind == "tree":
+                mask = tree_attention_mask(star, cached, target.dtype)
+                target.forward(tokens[None], cache, tree_position_ids(star, cached), mask)
+            else:
+                target.forward(tokens[None], cache, torch.arange(cached, cached + 4, device=device)[None])
+            elapsed = time.perf_counter() - start
+            cache.crop(cached)
+            if attempt:
+                best[kind] = min(best[kind], elapsed)
+    return max(best["tree"] / best["causal"], 1.0)
 
 
 def convex_floor(points: dict[int, float]) -> dict[int, float]:
