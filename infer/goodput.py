@@ -53,7 +53,7 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -151,16 +151,11 @@ class StepCost:
         target.forward(prefix[None], cache, torch.arange(cached, device=device)[None])
         points = {}
         for n in sizes:
-            ids = (torch.arange(n, device=device) * 7919 + 11) % target.vocab_size
-            positions = torch.arange(cached, cached + n, device=device)[None]
-            best = math.inf
-            for attempt in range((COST_REPEATS if n <= 16 else 1) + 1):  # the first warms up; large N vary little
-                start = time.perf_counter()
-                target.forward(ids[None], cache, positions)
-                elapsed = time.perf_counter() - start
-                cache.crop(cached)
-                best = min(best, elapsed) if attempt else best
-            points[n] = best
+            ids, positions = _filler(target, n), torch.arange(cached, cached + n, device=device)[None]
+            repeats = COST_REPEATS if n <= 16 else 1  # large N vary little
+            times = [_timed(lambda: target.forward(ids[None], cache, positions), cache, cached)
+                     for _ in range(repeats + 1)]
+            points[n] = min(times[1:])  # the first warms up
         return cls(convex_floor(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
@@ -224,23 +219,34 @@ def _tree_ratio(target: Target, cache: Any, cached: int) -> float:
     timed in turns after ``cached`` tokens, the fastest of each (a ratio of times taken apart moved by half with the
     machine's load)."""
     device = target.device
-    tokens = (torch.arange(4, device=device) * 7919 + 11) % target.vocab_size
+    tokens = _filler(target, 4)
     star = Tree(tokens=tokens, parents=torch.tensor([ROOT_PARENT, 0, 0, 0], device=device),
                 depth=torch.tensor([0, 1, 1, 1], device=device), scores=torch.zeros(4, device=device))
-    best = {"tree": math.inf, "causal": math.inf}
-    for attempt in range(2 * COST_REPEATS + 1):  # the first of each warms up
-        for kind in best:
-            start = time.perf_counter()
-            if kind == "tree":
-                mask = tree_attention_mask(star, cached, target.dtype)
-                target.forward(tokens[None], cache, tree_position_ids(star, cached), mask)
-            else:
-                target.forward(tokens[None], cache, torch.arange(cached, cached + 4, device=device)[None])
-            elapsed = time.perf_counter() - start
-            cache.crop(cached)
-            if attempt:
-                best[kind] = min(best[kind], elapsed)
-    return max(best["tree"] / best["causal"], 1.0)
+    causal = torch.arange(cached, cached + 4, device=device)[None]
+
+    def tree() -> None:
+        mask = tree_attention_mask(star, cached, target.dtype)
+        target.forward(tokens[None], cache, tree_position_ids(star, cached), mask)
+
+    tree_times, causal_times = [], []
+    for _ in range(2 * COST_REPEATS + 1):
+        tree_times.append(_timed(tree, cache, cached))
+        causal_times.append(_timed(lambda: target.forward(tokens[None], cache, causal), cache, cached))
+    return max(min(tree_times[1:]) / min(causal_times[1:]), 1.0)  # the first of each warms up
+
+
+def _filler(target: Target, n: int) -> torch.Tensor:
+    """``n`` token ids spread over the vocabulary, for forwards timed on no particular text: [n]."""
+    return (torch.arange(n, device=target.device) * 7919 + 11) % target.vocab_size
+
+
+def _timed(forward: Callable[[], object], cache: Any, cached: int) -> float:
+    """Seconds ``forward`` takes; then the cache is cropped back to its ``cached`` tokens."""
+    start = time.perf_counter()
+    forward()
+    elapsed = time.perf_counter() - start
+    cache.crop(cached)
+    return elapsed
 
 
 def convex_floor(points: dict[int, float]) -> dict[int, float]:
