@@ -3,25 +3,27 @@
 Speculation spends compute on guesses; under load there is none to spare. For
 the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
 
-1. plans how deep each row drafts, before drafting: a level pays when the
-   tokens it is expected to add (the chance the row's accepted path reaches
-   it) per second it adds (its share of the drafter's level, one more token
-   in the forward) beat the step's goodput without speculation (one token per
-   row per forward at this batch); now and then a row probes one level
-   deeper than planned, verified whole, at most `PROBE_SHARE` of its steps'
-   worth, so that a level that stopped paying (or never paid yet) is learned
-   again;
+1. plans how deep each row drafts, before drafting: d levels pay when the
+   tokens they are expected to add (the chance the row's accepted path
+   reaches each) beat their price in tokens of the step's goodput without
+   speculation (one token per row per forward at this batch): the drafter's
+   d levels, d more tokens in the forward, the tree's fixed costs (P and W
+   below), and catching up, in the drafter's next round, every token the row
+   commits (a head with a cache runs them first). Now and then a row probes
+   one level deeper than planned, verified whole, at most `PROBE_SHARE` of
+   its steps' worth, so that a level that stopped paying (or never paid
+   yet) is learned again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
    sum over rows of (1 + the estimates of its selected nodes) / (T(N) + P + W R),
    N the tokens verified, T the target's forward time at N packed tokens, R
    the rows verifying a tree, P what the first tree adds to the forward (a
    masked forward; packed, its row also leaves the one-token rows' single
-   attention call) and W the
-   scheduler's own work on one (masks, acceptance, gathers; fitted to the
-   steps' times beyond their forward). Nodes
-   enter by decreasing estimate and an estimate never exceeds its parent's,
-   so a selected node's parent is always selected;
+   attention call; a chain verified alone runs unmasked and adds nothing) and
+   W the scheduler's own work on one (masks, acceptance, gathers; fitted to
+   the steps' times beyond their forward). Nodes enter by decreasing estimate
+   and an estimate never exceeds its parent's, so a selected node's parent is
+   always selected;
 3. learns, after verifying: a node's estimate is its drafter's path
    probability (``exp`` of its cumulative draft log-prob, what EAGLE-2 ranks
    by) calibrated per drafter and depth against what was accepted; a tree
@@ -30,9 +32,10 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    lately, so the raw rates run high). T is measured once with a few timed
    forwards, read on the lower convex hull of those times (`convex_floor`),
    and rescaled by the forward times steps observe (P from those with trees
-   against those without); a drafter's cost per row,
-   a fixed part plus a part per level (prompt lookup pays once for any depth,
-   a head once per level), is fitted to the times its rounds take.
+   against those without); a drafter's cost per row, a fixed part plus a
+   part per level (prompt lookup pays once for any depth, a head once per
+   level) plus a part per token caught up, is fitted to the times its rounds
+   take.
 
 In a closed batch (`generate_batch`: no request will join) the scheduler
 offers the plan only the rows with the most tokens left (`Scheduler._critical`):
@@ -66,6 +69,8 @@ EMA = 0.2
 # reach at its drafter's, each worth this many observations.
 PRIOR_WEIGHT = 4.0
 ROW_MEMORY = 32.0  # steps verified to a depth a row's reach there counts before both counts halve
+DRAFTER_MEMORY = 128.0  # the same for a drafter's reach over all its rows (the prior of a row's)
+DRAFT_MEMORY = 32  # draft rounds over which the fit of a drafter's cost decays (by 1/e)
 # Steps a row plans no draft before its own counts halve: stale evidence drifts back to its drafter's reach, so a row
 # that two early misses silenced drafts again where its drafter pays (the probes alone came too rarely for that).
 QUIET_HALVING = 8
@@ -83,7 +88,6 @@ OVERHEAD_MEMORY = 256
 # Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
 # (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
 PROBE_SHARE = 0.01
-MARGINAL_SPAN = 4  # tokens over which a plan reads the cost of one more (a step's N moves by several)
 # T's scale and the work of a tree move a little every `RESCALE_EVERY` steps; plans are priced again only once either
 # moved by this share (of the scale; of T(1) for the work), so a row that plans no draft keeps its plan for many steps.
 PRICE_TOLERANCE = 0.02
@@ -193,7 +197,8 @@ class StepCost:
             self.per_drafted = max((rr * dy - rd * ry) / det, 0.0)
 
     def observe(self, n: int, seconds: float, trees: bool = False) -> None:
-        """A step's forward over ``n`` tokens, ``trees`` if some row verified more than its root, took ``seconds``.
+        """A step's forward over ``n`` tokens took ``seconds``; ``trees``: it paid for trees (a mask, or packed rows
+        of more than one token; see `GoodputController.chains_unmasked`).
 
         Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their mean observed / predicted (the
         machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
@@ -314,8 +319,11 @@ class DrafterStats:
     probability: Calibration = field(default_factory=Calibration)
     rates: Calibration = field(default_factory=Calibration)
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
-    # Moving moments of (levels drafted, seconds per row) over its rounds, for `cost_of`'s straight line.
-    moments: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, E[x], E[y], E[xx], E[xy]
+    hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose path reached d
+    seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d (see `DRAFTER_MEMORY`)
+    # Decaying sums over its rounds (see `DRAFT_MEMORY`) of (1, levels, behind, seconds per row) and their products,
+    # for `cost_line`'s plane: weight, x, z, y, xx, xz, zz, xy, zy.
+    moments: list[float] = field(default_factory=lambda: [0.0] * 9)
     version: int = 0  # moves whenever cost or reach does: a plan priced at an older version is priced again
     # Moves with any drafter's version and any row's counts (`RowState._pull`): a plan made at the same count has seen
     # nothing learned since.
@@ -333,29 +341,51 @@ class DrafterStats:
         self.version += 1
         DrafterStats.changes += 1
 
-    def observe_cost(self, levels: int, seconds_per_row: float) -> None:
+    def observe_cost(self, levels: int, seconds_per_row: float, behind: float = 0.0) -> None:
+        """A round drafted ``levels`` deep for rows that had ``behind`` committed tokens (a mean) not yet drafted
+        from (a drafter with a cache runs them first) and took ``seconds_per_row``."""
         self.moved()
-        w, mx, my, mxx, mxy = self.moments
-        a = EMA if w else 1.0
-        self.moments = [min(1.0, w + a), (1 - a) * mx + a * levels, (1 - a) * my + a * seconds_per_row,
-                        (1 - a) * mxx + a * levels * levels, (1 - a) * mxy + a * levels * seconds_per_row]
+        x, z, y = float(levels), float(behind), seconds_per_row
+        keep = 1 - 1 / DRAFT_MEMORY
+        self.moments = [keep * m + v for m, v in zip(self.moments, (1.0, x, z, y, x * x, x * z, z * z, x * y, z * y))]
 
-    def cost_of(self, levels: int) -> float:
-        """Seconds of drafting one row ``levels`` deep: a fixed part plus a part per level, fitted to its rounds."""
+    def cost_of(self, levels: int, behind: float = 0.0) -> float:
+        """Seconds of drafting one row ``levels`` deep, ``behind`` committed tokens since it last drafted."""
         if levels <= 0:
             return 0.0
-        fixed, per_level = self.cost_line()
-        return fixed + per_level * levels
+        fixed, per_level, per_behind = self.cost_line()
+        return max(fixed + per_level * levels, 0.0) + per_behind * behind
 
-    def cost_line(self) -> tuple[float, float]:
-        """(fixed, per level) seconds of drafting one row. Rounds all of one depth cannot tell the parts apart:
-        the cost is then put on the levels."""
-        _, mx, my, mxx, mxy = self.moments
-        var = mxx - mx * mx
-        if var < 0.05 or mx <= 0:
-            return 0.0, my / max(mx, 1.0)
-        slope = max((mxy - mx * my) / var, 0.0)
-        return max(my - slope * mx, 0.0), slope
+    def cost_line(self) -> tuple[float, float, float]:
+        """(fixed, per level, per token behind) seconds of drafting one row: least squares over its rounds.
+
+        A row that drafted a few steps ago has a few tokens to catch up; one idle for long, its whole stretch
+        (SmolLM2's EAGLE-3 head: 5 ms a round from 2 tokens behind, 10 ms from 120). The fixed part may be
+        negative: a head's second level, over a wider frontier, cost more than its first (5.8 ms for depth 1,
+        12.3-13.4 ms for depth 2 from a token behind), and held at zero it priced the first level 17% over
+        its cost. Rounds all of one depth cannot tell the fixed part from the levels': it is then put on the
+        levels; rounds all as far behind carry no per-token part.
+        """
+        w, sx, sz, sy, sxx, sxz, szz, sxy, szy = self.moments
+        if w <= 0:
+            return 0.0, 0.0, 0.0
+        mx, mz, my = sx / w, sz / w, sy / w
+        vxx, vxz, vzz = sxx / w - mx * mx, sxz / w - mx * mz, szz / w - mz * mz
+        cxy, czy = sxy / w - mx * my, szy / w - mz * my
+        per_behind = 0.0
+        levels_vary = vxx >= 0.05 and mx > 0
+        if levels_vary and vzz > 1e-9 and vxx * vzz - vxz * vxz > 1e-9 * vxx * vzz:
+            det = vxx * vzz - vxz * vxz
+            slope, per_behind = (cxy * vzz - czy * vxz) / det, (czy * vxx - cxy * vxz) / det
+        elif vzz > 1e-9:  # one depth: the part of each round that is not the tokens behind goes on its levels
+            per_behind, slope = czy / vzz, 0.0
+        else:
+            slope = cxy / vxx if levels_vary else 0.0
+        per_behind, slope = max(per_behind, 0.0), max(slope, 0.0)
+        rest = my - per_behind * mz
+        if not levels_vary:
+            return 0.0, max(rest, 0.0) / max(mx, 1.0), per_behind
+        return rest - slope * mx, slope, per_behind
 
     def calibration_curve(self) -> list[dict[str, float]]:
         """By depth: nodes verified, their mean estimate when selected, and the fraction accepted (the two agree
@@ -369,6 +399,22 @@ class DrafterStats:
 
     def reach_at(self, depth: int) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else REACH_PRIOR**depth
+
+    def observe_reach(self, accepted: int, verified_depth: int) -> None:
+        """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
+        its recent steps (an EMA of weight 0.2 wandered 0.13-0.41 around SmolLM2's EAGLE-3 0.23), pulled toward
+        `REACH_PRIOR` by `PRIOR_WEIGHT` pseudo-steps."""
+        for d in range(1, verified_depth + 1):
+            if d > len(self.seen):
+                self.hits.append(0.0)
+                self.seen.append(0.0)
+            self.hits[d - 1] += accepted >= d
+            self.seen[d - 1] += 1
+            if self.seen[d - 1] > DRAFTER_MEMORY:
+                self.hits[d - 1] /= 2
+                self.seen[d - 1] /= 2
+        self.reach = [(h + PRIOR_WEIGHT * REACH_PRIOR**d) / (n + PRIOR_WEIGHT)
+                      for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
     def observe(self, depth: int, raw: float, accepted: bool) -> None:
         """A verified node at ``depth`` whose path probability was ``raw``."""
@@ -432,15 +478,6 @@ class RowState:
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
 
-def update_reach(reach: list[float], accepted: int, verified_depth: int) -> None:
-    """EMA of 1{the accepted path reached d} for every depth d the step verified."""
-    for depth in range(1, verified_depth + 1):
-        hit = float(accepted >= depth)
-        if depth > len(reach):
-            reach.append(REACH_PRIOR**depth)
-        reach[depth - 1] = (1 - EMA) * reach[depth - 1] + EMA * hit
-
-
 @dataclass
 class Candidate:
     """One row's drafted tree as selection sees it."""
@@ -456,10 +493,12 @@ class GoodputController:
 
     Args:
         target: the target whose forward the cost curve times (measured on first use).
+        row_by_row: the engine verifies every row in a forward of its own (Hugging Face's forward, no packing).
     """
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, row_by_row: bool = False) -> None:
         self.target = target
+        self.row_by_row = row_by_row
         self.cost: StepCost | None = None
         self.rows: dict[int, RowState] = {}
         self.clock = 0  # plans made: the steps rows count between their probes and halvings
@@ -467,8 +506,8 @@ class GoodputController:
         self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
         self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
-        # id(drafter) -> ((batch, T's price point, stats version), fixed, per level, reach prior): `plan`'s prices.
-        self.priced: dict[int, tuple[tuple, float, float, list[float]]] = {}
+        # id(drafter) -> (inputs, price by levels, per token caught up, reach prior): `plan`'s prices (see `_prices`).
+        self.priced: dict[int, tuple[tuple, list[float], float, list[float]]] = {}
         self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
         # The last plan, while it holds (see `plan`): (the first step a row of it is due, its inputs, rows, depths).
         self._memo: tuple[float, tuple, Sequence, dict[int, int]] | None = None
@@ -572,23 +611,28 @@ class GoodputController:
 
     def _plan_row(self, row: RowState, drafter: Any, priced: tuple, max_depth: int) -> tuple[Any, int, int, float]:
         """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes)."""
-        _, fixed, per_level, prior = priced
+        _, levels, per_token, prior = priced
         reach, rates = row.reach, self._stats(drafter).rates
-        best, best_net, net = 0, 0.0, -fixed
-        for d in range(max_depth):
-            # expected tokens (a running reach, calibrated as selection's rates are) less the price
-            net += (reach[d] if d < len(reach) else prior[d]) * rates.factor(d + 1) - per_level
+        best, best_net, committed = 0, 0.0, 1.0
+        for d in range(1, max_depth + 1):
+            # expected tokens (a running reach, calibrated as selection's rates are) ...
+            committed += (reach[d - 1] if d <= len(reach) else prior[d - 1]) * rates.factor(d)
+            # ... less the price of d levels and of catching up every token committed, as a row drafting each step does
+            net = committed - 1.0 - levels[d] - per_token * committed
             if net > best_net:
-                best, best_net = d + 1, net
-        every = (per_level + (fixed if best == 0 else 0.0)) / PROBE_SHARE
+                best, best_net = d, net
+        every = (levels[best + 1] - levels[best] if best < max_depth else 0.0) / PROBE_SHARE
         row.schedule(best, max_depth, every)
         return priced, max_depth, best, every
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:
-        """A drafter's prices at this batch: (inputs, fixed, per level, reach prior by depth), or None while its cost
-        is unmeasured. Drafting and verifying d levels costs fixed + per_level * d tokens of plain goodput; its
-        reach by depth stands in for a row's depths not observed yet. Priced again only when the batch, the
-        drafter's statistics or `StepCost.price_point` moved (or a deeper prior is asked for)."""
+        """A drafter's prices at this batch, in tokens of plain goodput: (inputs, [d]: drafting and verifying d levels,
+        catching up one committed token, reach prior by depth), or None while its cost is unmeasured.
+
+        d levels cost their drafting, the d tokens they add to the forward (on T's curve after the batch's roots:
+        priced as if no other row drafted, as under load) and a tree's fixed costs; its reach by depth stands in
+        for a row's depths not observed yet. Priced again only when the batch, the drafter's statistics or
+        `StepCost.price_point` moved (or a deeper prior is asked for)."""
         stats = self._stats(drafter)
         if not stats.measured:
             return None
@@ -597,21 +641,28 @@ class GoodputController:
         if priced is None or priced[0] != inputs or len(priced[3]) < max_depth:
             base = cost(batch)
             goodput = batch / base  # committed tokens per second of plain decoding at this batch
-            marginal = max(cost(batch + MARGINAL_SPAN) - base, 0.0) / MARGINAL_SPAN  # one more token in the forward
-            fixed, per_level = stats.cost_line()
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
-            fixed += cost.per_drafted + cost.tree_penalty(batch)
+            fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch))
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
-            priced = self.priced[id(drafter)] = inputs, goodput * fixed, goodput * (per_level + marginal), prior
+            levels = [0.0] + [goodput * (fixed + stats.cost_of(d) + cost(batch + d) - base)
+                              for d in range(1, len(prior) + 2)]
+            priced = self.priced[id(drafter)] = inputs, levels, goodput * stats.cost_line()[2], prior
         return priced
 
-    def observe_draft(self, drafter: Any, rows: int, levels: int, seconds: float) -> None:
+    def chains_unmasked(self, batch: int) -> bool:
+        """Whether a chain verifies without the tree penalty: a row verified alone (a batch of one, or every row
+        on its own cache) runs a chain as causal tokens; packed beside others, any row of more than one token
+        leaves the one-token rows' single attention call."""
+        return self.row_by_row or batch == 1
+
+    def observe_draft(self, drafter: Any, rows: int, levels: int, seconds: float, behind: float = 0.0) -> None:
         """A drafter's proposals for ``rows`` rows, ``levels`` deep (at least 1: a lookup that found nothing worked
-        all the same), took ``seconds`` (a drafter's first round, cold, is not its cost)."""
+        all the same), ``behind`` committed tokens a row (a mean) since each last drafted, took ``seconds`` (a
+        drafter's first round, cold, is not its cost)."""
         stats = self._stats(drafter)
         if rows and levels and stats.warm:
-            stats.observe_cost(levels, seconds / rows)
+            stats.observe_cost(levels, seconds / rows, behind)
         stats.warm = True
 
     # ------------------------------------------------------------------ 2. select
@@ -673,19 +724,24 @@ class GoodputController:
             depth = c.tree.depth.tolist()
             pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
         pool.sort()  # by estimate, parents before children on ties
-        fixed_trees = sum(1 for c in candidates if not c.adaptive and c.tree.num_nodes > 1)
-        # Each row verifying a tree costs the scheduler's work on it; the first tree of the step, the forward's penalty.
+        fixed = [c.tree for c in candidates if not c.adaptive and c.tree.num_nodes > 1]
+        # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
+        # branches, where chains run unmasked), the forward's penalty.
+        chains_free = self.chains_unmasked(len(candidates))
         penalty = cost.tree_penalty(tokens)
-        extra = cost.per_drafted * fixed_trees + (penalty if fixed_trees else 0.0)
+        paid = any(not (chains_free and t.is_chain) for t in fixed)
+        extra = cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
-        gained, opened = expected, set()
-        for k, (neg, _, r, _) in enumerate(pool, start=1):
+        gained, opened, levels = expected, set(), set()
+        for k, (neg, depth, r, _) in enumerate(pool, start=1):
             gained -= neg
             if r not in opened:  # this row's first node: it now verifies a tree
-                if not opened and not fixed_trees:
-                    extra += penalty
                 opened.add(r)
                 extra += cost.per_drafted
+            if not paid and (not chains_free or (r, depth) in levels):
+                paid = True
+                extra += penalty
+            levels.add((r, depth))
             rate = gained / (cost(tokens + k) + extra)
             if rate > best:
                 best_k, best = k, rate
@@ -711,13 +767,16 @@ class GoodputController:
 
     # ------------------------------------------------------------------ 3. learn
 
-    def observe_times(self, tokens: int, forward: float, rows: int, drafted: int, beyond: float) -> None:
+    def observe_times(
+        self, tokens: int, forward: float, rows: int, drafted: int, beyond: float, masked: bool = False
+    ) -> None:
         """A step's times: ``forward`` seconds of its target forward over ``tokens`` packed tokens (0: not one forward,
-        Hugging Face's row by row, left untimed) and ``beyond`` seconds of its work beyond it (selection, commits)
-        over ``rows`` rows, ``drafted`` of which verified a tree."""
+        Hugging Face's row by row, left untimed), ``masked`` if it paid for trees (see `chains_unmasked`), and
+        ``beyond`` seconds of its work beyond it (selection, commits) over ``rows`` rows, ``drafted`` of which
+        verified a tree."""
         if self.cost is not None:
             if tokens:
-                self.cost.observe(tokens, forward, trees=tokens > rows)
+                self.cost.observe(tokens, forward, trees=masked)
             self.cost.observe_step(rows, drafted, beyond)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
@@ -742,6 +801,6 @@ class GoodputController:
                 point[1] += estimated[i]
                 point[2] += i in on_path
         accepted, verified = len(on_path) - 1, tree.max_depth
-        update_reach(stats.reach, accepted, verified)
+        stats.observe_reach(accepted, verified)
         stats.moved()
         row.observe(accepted, verified, stats, self.clock)

@@ -58,6 +58,9 @@ class Request:
     draft: DraftState | None = None
     root: int | None = None
     drafted: bool = False  # this step's tree is its drafter's proposal (not the root alone)
+    # Tokens given to its draft state since it last proposed (the prompt, then commits): what a drafter with a
+    # cache catches up on in its next round, which the goodput controller's draft cost reads.
+    behind: int = 0
     token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` already sent in events
 

@@ -149,6 +149,7 @@ class Scheduler:
         self.closed = closed
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
         self._forward_tokens = 0  # the tokens of that forward, where it was one (0: Hugging Face's, row by row)
+        self._forward_masked = False  # that forward paid for trees (a mask; packed, rows leaving the one-token call)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
         self._next_handle = 0
 
@@ -218,7 +219,7 @@ class Scheduler:
         )
         self._next_handle += 1
         if isinstance(request.tree, Adaptive) and self.controller is None:
-            self.controller = GoodputController(self.target)
+            self.controller = GoodputController(self.target, row_by_row=self.pool is None)
         self.queued.append(request)
         return request.handle
 
@@ -226,7 +227,7 @@ class Scheduler:
         """The goodput controller, made now and its T(N) timed: a server whose default tree is `Adaptive` pays the
         few timed forwards at start-up, not in its first request."""
         if self.controller is None:
-            self.controller = GoodputController(self.target)
+            self.controller = GoodputController(self.target, row_by_row=self.pool is None)
         self.controller.step_cost()
         return self.controller
 
@@ -296,6 +297,7 @@ class Scheduler:
                 request.draft = request.drafter.start(request.prompt_ids, hidden, cache=draft_cache)
             else:
                 request.draft = request.drafter.start(request.prompt_ids, hidden)
+            request.behind = len(request.prompt_ids)
         last = out.logits[0, -1]  # (V,)
         sampling = request.sampling
         request.root = int(sampling.ban(last).argmax()) if sampling.greedy else sampling.draw_one(sampling.probs(last))
@@ -312,7 +314,7 @@ class Scheduler:
         live = [r for r in live if r.handle in trees]
         if not live:
             return
-        start, self._forward_seconds, self._forward_tokens = time.perf_counter(), 0.0, 0
+        start, self._forward_seconds, self._forward_tokens, self._forward_masked = time.perf_counter(), 0.0, 0, False
         drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
             self.counters.adaptive_selected = None if not self._adaptive_rows else 0
@@ -329,7 +331,8 @@ class Scheduler:
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
         if self.controller is not None:  # what verifying trees costs beyond their tokens: the scheduler's own work
             beyond = time.perf_counter() - start - self._forward_seconds
-            self.controller.observe_times(self._forward_tokens, self._forward_seconds, len(live), len(drafted), beyond)
+            self.controller.observe_times(self._forward_tokens, self._forward_seconds, len(live), len(drafted), beyond,
+                                          self._forward_masked)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
@@ -360,14 +363,14 @@ class Scheduler:
                 start = time.thread_time()
                 tree = self._isolated(request, events, lambda: request.draft.propose(
                     request.root, request.tree, max_depth, request.sampling))
-                self._observe_draft(request.drafter, [tree], start)
+                self._observe_draft(request.drafter, [request], [tree], start)
                 if tree is not None:
                     trees[request.handle] = tree.to(self.target.device)
         for name, group in together.items():
             start = time.thread_time()
             drafted = self._draft_together(name, group, events)
             trees.update(drafted)
-            self._observe_draft(self.drafters[name], list(drafted.values()), start)
+            self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()), start)
         return trees
 
     def _critical(self, live: list[Request]) -> int:
@@ -382,14 +385,18 @@ class Scheduler:
             return 0
         return max(r.rule.remaining() for r in live)
 
-    def _observe_draft(self, drafter: Drafter, trees: list[Tree | None], start: float) -> None:
-        """Tell the controller what drafting these trees cost (per row and level of the trees drafted).
+    def _observe_draft(self, drafter: Drafter, rows: list[Request], trees: list[Tree | None], start: float) -> None:
+        """Tell the controller what drafting these trees for these rows cost (per row, level of the trees drafted
+        and token the rows were behind); the rows are caught up now.
 
         Timed on this thread's CPU clock: a server's HTTP thread holding the GIL meanwhile is not the drafter's cost.
         """
         if self.controller is not None:
             levels = max((t.max_depth for t in trees if t is not None), default=0)
-            self.controller.observe_draft(drafter, len(trees), max(levels, 1), time.thread_time() - start)
+            behind = sum(r.behind for r in rows) / len(rows)
+            self.controller.observe_draft(drafter, len(trees), max(levels, 1), time.thread_time() - start, behind)
+        for request in rows:
+            request.behind = 0
 
     def _draft_together(self, name: str, group: list[tuple[Request, DraftRequest]], events: list[Event]) -> dict[int, Tree]:
         """A batch drafter's trees for its rows, in one go. If it raises, the rows draft again one by one,
@@ -432,7 +439,7 @@ class Scheduler:
                 if result is not None:
                     verified[request.handle] = result
                     if self.pool is not None:  # one row: the step's one forward
-                        self._forward_tokens = tree.num_nodes
+                        self._forward_tokens, self._forward_masked = tree.num_nodes, not tree.is_chain
             return verified
         segments, tokens, positions = [], [], []
         for request in live:
@@ -446,6 +453,7 @@ class Scheduler:
         out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
         self._forward_seconds = time.perf_counter() - start
         self._forward_tokens = sum(s.size for s in segments)
+        self._forward_masked = self._forward_tokens > len(segments)
         verified, offset = {}, 0
         for request, segment in zip(live, segments):
             part = slice(offset, offset + segment.size)
@@ -472,6 +480,7 @@ class Scheduler:
         if request.draft is not None:
             request.draft.commit(tokens, hidden if whole else {i: h[path] for i, h in hidden.items()},
                                  accepted.path if request.drafted else None)
+            request.behind += count
         request.root = accepted.next_token
         if self.controller is not None and tree.num_nodes > 1:
             self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)

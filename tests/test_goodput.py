@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost, update_reach
+from specgraft.infer.goodput import RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -101,6 +101,73 @@ def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 1, 1: 1}
 
 
+def test_a_chain_verified_alone_runs_unmasked_and_pays_no_tree_penalty():
+    """A row verified alone runs a chain as causal tokens: only a branch (or a packed batch) pays the penalty."""
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
+    ctl.cost.tree_ratio = 1.5  # a tree adds half a forward
+    weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.3), math.log(0.1)])  # 0.4 tokens: not worth half a forward
+    fork = tree_of([-1, 0, 0], logp=[0.0, math.log(0.3), math.log(0.1)])
+    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # alone, a chain: 1.4 tokens in 1 s
+    assert ctl.select([Candidate(0, d, fork, True)])[0].num_nodes == 2  # its second branch would pay the penalty
+    packed = ctl.select([Candidate(0, d, weak, True), Candidate(1, d, tree_of([-1]), True)])
+    assert packed[0].num_nodes == 1  # packed beside another row: 2.4 tokens in 1.5 s lose to 2 in 1
+    assert ctl.select([Candidate(0, d, fork, False)])[0].num_nodes == 3  # a fixed branching tree is verified whole
+    stats = ctl.stats(d)
+    for _ in range(10):
+        stats.observe_cost(1, 0.01)
+        stats.observe_cost(2, 0.02)
+    stats.reach = [0.3]
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}  # alone: 0.3 tokens repay 0.01 s of drafting
+    assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 0, 1: 0}  # packed: not half a forward
+    by_row = GoodputController(target=None, row_by_row=True)  # every row on its own cache: chains always unmasked
+    by_row.cost = ctl.cost
+    assert by_row.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 1, 1: 1}
+    assert [t.num_nodes for t in by_row.select([Candidate(0, d, weak, True), Candidate(1, d, weak, True)]).values()] == [3, 3]
+
+
+def test_a_drafters_cost_is_fitted_apart_from_the_tokens_it_catches_up_and_plans_price_those_per_commit():
+    """A head with a cache runs the tokens committed since it last drafted first: rows idle for long (probes) cost
+    more a round than rows drafting every step, and a plan must price the steady round."""
+    stats = DrafterStats()
+    for behind in (2, 120, 3, 60, 2, 90) * 10:  # 5 ms a round and 0.04 ms a token behind, at depth 1 only
+        stats.observe_cost(1, 0.005 + 0.00004 * behind, behind)
+    fixed, per_level, per_behind = stats.cost_line()
+    assert fixed == 0.0 and per_level == pytest.approx(0.005) and per_behind == pytest.approx(0.00004)
+    for levels, behind in ((1, 2), (3, 50), (2, 100), (4, 3)) * 10:  # then 2 ms fixed and 3 ms a level as well
+        stats.observe_cost(levels, 0.002 + 0.003 * levels + 0.00004 * behind, behind)
+    assert stats.cost_line() == pytest.approx((0.002, 0.003, 0.00004), rel=0.02)
+    assert stats.cost_of(2, 10) == pytest.approx(0.0084, rel=0.02)
+    wider = DrafterStats()  # a second level over a wider frontier costs more than the first: the line starts below 0
+    for levels, seconds in ((1, 0.0058), (2, 0.0124), (1, 0.0058), (1, 0.0058)) * 10:
+        wider.observe_cost(levels, seconds, 1.0)
+    assert wider.cost_line()[0] < 0 and wider.cost_of(1) == pytest.approx(0.0058) and wider.cost_of(2) == pytest.approx(0.0124)
+    # Priced at 1 token a second, on a flat T: a level costs 0.2 tokens, and each token committed 0.1 to catch up.
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()
+    head = ctl.stats(d)
+    for levels, behind in ((1, 2), (2, 2), (1, 10), (2, 6)) * 10:
+        head.observe_cost(levels, 0.1 * behind + 0.2 * levels, behind)
+    head.reach = [0.5, 0.45]
+    # depth 1: 0.5 - 0.2 - 0.1 x 1.5 = 0.15; depth 2: 0.95 - 0.4 - 0.1 x 1.95 = 0.355
+    assert ctl.plan([(0, d, 2)], batch=1) == {0: 2}
+    head.reach = [0.5, 0.22]  # depth 2: 0.72 - 0.4 - 0.172 = 0.148, below depth 1 (without catching up: 0.32 > 0.3)
+    head.moved()
+    assert ctl.plan([(0, d, 2)], batch=1) == {0: 1}
+
+
+def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
+    from specgraft.infer.goodput import DRAFTER_MEMORY, PRIOR_WEIGHT, REACH_PRIOR
+
+    stats = DrafterStats()
+    for step in range(40):  # depth 1 reached every fourth step, depth 2 never
+        stats.observe_reach(1 if step % 4 == 0 else 0, 2)
+    assert stats.reach_at(1) == pytest.approx((10 + PRIOR_WEIGHT * REACH_PRIOR) / (40 + PRIOR_WEIGHT))
+    assert stats.reach_at(2) == pytest.approx(PRIOR_WEIGHT * REACH_PRIOR**2 / (40 + PRIOR_WEIGHT))
+    assert stats.reach_at(3) == REACH_PRIOR**3  # never verified: the prior
+    for _ in range(int(DRAFTER_MEMORY) * 4):  # the text moves on: every step reaches depth 1 now
+        stats.observe_reach(1, 1)
+    assert stats.reach_at(1) > 0.95  # old steps halved away
+
+
 def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_tokens_looks_free():
     from specgraft.infer.goodput import convex_floor
 
@@ -167,7 +234,7 @@ def test_trees_without_probabilities_use_the_rows_running_acceptance_shared_amon
     lookup = tree_of([-1, 0, 0, 1], tokens=[5, 6, 7, 8])  # two branches at depth 1, scores all zero
     ctl = controller({1: 1.0})
     row = ctl.row(0)
-    update_reach(row.reach, accepted=2, verified_depth=2)
+    row.observe(2, 2, ctl.stats(d), now=ctl.clock)  # a step that reached depth 2
     est = ctl.estimates(Candidate(0, d, lookup, True))
     depth1 = row.reach_at(1, ctl.stats(d))
     assert est[1] == est[2] == pytest.approx(depth1 / 2) and est[3] <= est[1]
@@ -182,13 +249,13 @@ def test_plan_drafts_the_depth_whose_expected_tokens_best_repay_its_cost_at_plai
     stats.observe_cost(2, 0.02)  # two depths fit the cost's parts: nothing fixed, 0.01 s a level
     assert stats.cost_of(3) == pytest.approx(0.03)
     stats.reach = [0.9, 0.8, 0.6, 0.3, 0.1]
-    # goodput 1 token a second; a level costs 0.01 + 0.024 (one more forward token, read over 4): the net gain
-    # sum(reach[:d]) - 0.034 d peaks at depth 5 (depth 6 adds 0.5 ** 6 < 0.034).
+    # goodput 1 token a second; a level costs 0.01 and its token on T's curve (0.02 up to 4 tokens, then 0.035): the
+    # net gain peaks at depth 5 (depth 6 adds 0.5 ** 6 < 0.045).
     assert ctl.plan([(0, d, 6)], batch=1) == {0: 5}
     d2 = Drafter()
     slow = ctl.stats(d2)
     slow.observe_cost(1, 0.5)
-    slow.observe_cost(2, 1.0)  # half a forward a level: 0.9, 0.8, 0.6 minus 0.524 a level peaks at depth 3
+    slow.observe_cost(2, 1.0)  # half a forward a level: 0.9, 0.8, 0.6, 0.3 less 0.52-0.535 a level peaks at depth 3
     slow.reach = stats.reach
     assert ctl.plan([(1, d2, 6)], batch=1) == {1: 3}
     assert ctl.plan([(1, d2, 6)], batch=8) == {1: 0}  # 8 rows: goodput 6.7 tokens a second; no depth pays
@@ -204,13 +271,13 @@ def test_a_plan_holds_until_what_it_read_moves_and_then_is_made_again():
             stats.observe_cost(2, 2 * per_level)
 
     d = Drafter()
-    ctl = controller({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 64: 8.0})  # batch 1: 1 token a second; 0.024 s a token more
+    ctl = controller({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 64: 8.0})  # batch 1: 1 token a second; 0.02 s a token more
     stats = ctl.stats(d)
     stats.reach = [0.9, 0.8, 0.6]
     costs(stats, 1.0)  # a level costs a second: no depth pays
     assert ctl.plan([(0, d, 3)], batch=1) == {0: 0}
     assert ctl.plan([(0, d, 3)], batch=1) == {0: 0}
-    costs(stats, 0.3)  # 0.324 tokens a level: every depth pays
+    costs(stats, 0.3)  # 0.32 tokens a level: every depth pays
     assert ctl.plan([(0, d, 3)], batch=1) == {0: 3}
     for _ in range(40):  # the row's own misses at every depth: its reach falls below the price
         ctl.row(0).observe(0, 3, stats, now=ctl.clock)
@@ -258,19 +325,19 @@ def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budget
 
     ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # each token costs a forward: no depth pays
     stats = ctl.stats(d)
-    stats.observe_cost(1, 0.01)
-    stats.observe_cost(2, 0.02)  # 0.01 s a level
+    stats.observe_cost(1, 0.25)
+    stats.observe_cost(2, 0.5)  # 0.25 s a level
     stats.reach = [0.3, 0.1]
     plans = []
-    for _ in range(200):
+    for _ in range(300):
         plans.append(ctl.plan([(0, d, 4)], batch=1)[0])
         if plans[-1]:
             assert ctl.probes == {0}
             chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
             assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # a probe is verified whole
-    # A level's price: goodput 1 token/s x (0.01 s + one more forward token, 1 s) = 1.01 tokens; probes spend 2%.
-    every = math.ceil(1.01 / PROBE_SHARE)
-    assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, 200, every))
+    # A level's price: goodput 1 token/s x (0.25 s + one more forward token, 1 s) = 1.25 tokens; probes spend 1%.
+    every = math.ceil(1.25 / PROBE_SHARE)
+    assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, 300, every))
     assert set(plans) == {0, 1}
     chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # not probing: cut as selection says
@@ -391,6 +458,68 @@ def test_a_closed_batch_drafts_only_its_longest_rows_while_no_request_waits(stor
             assert first[handles[0]] > 0 and first[handles[1]] > 0
         for handle, prompt, n in zip(handles, prompts, (6, 12, 12)):
             assert driver.result(handle).token_ids == hf_generate(stories, prompt, n, eos_token_id=None)
+
+
+class Guesses:
+    """A drafter that proposes the same chain of guesses whatever the text (verification keeps what is right)."""
+
+    hidden_layers = ()
+
+    def start(self, prompt_ids, hidden):
+        return self
+
+    def commit(self, tokens, hidden, path=None):
+        pass
+
+    def cache_tokens(self):
+        return 0
+
+    def propose(self, root_token, policy, max_depth, sampling=None):
+        return tree_of(list(range(-1, max_depth)), tokens=[root_token] + [7] * max_depth)
+
+
+def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, dev_prompts, monkeypatch):
+    """A draft round is timed with the tokens its rows were behind (the prompt, then every commit since their last
+    round); a forward is reported masked only when it paid for trees: a chain alone runs causal, a batch packed
+    with a tree pays."""
+    steps, rounds, forwards = [0], [], []
+
+    def every_third(self, rows, batch):  # draft 2 levels on every third step
+        steps[0] += 1
+        return {key: 2 if steps[0] % 3 == 0 else 0 for key, _, _ in rows}
+
+    monkeypatch.setattr(GoodputController, "plan", every_third)
+    monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
+    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
+    monkeypatch.setattr(GoodputController, "observe_draft", lambda self, d, rows, levels, s, behind: rounds.append(behind))
+    monkeypatch.setattr(GoodputController, "observe_times",
+                        lambda self, tokens, f, rows, drafted, b, masked: forwards.append((rows, tokens, masked)))
+    repeated = stories.encode("the cat sat on the mat and the cat sat on the mat and the cat sat on the")
+    for batch in (1, 2):
+        sched = sg.Scheduler(stories, {"lookup": Guesses()}, max_batch_size=batch)
+        driver = Driver(sched)
+        commits = []
+        original = sched._commit
+
+        def commit(request, tree, prefix, logits, hidden, events):
+            before = len(request.token_ids)
+            original(request, tree, prefix, logits, hidden, events)
+            commits.append((steps[0], len(request.token_ids) - before))
+
+        sched._commit = commit
+        steps[0], rounds[:], forwards[:] = 0, [], []
+        handles = [sched.submit(repeated, 16, drafter="lookup", tree=sg.Adaptive(), eos_token_id=()) for _ in range(batch)]
+        driver.run(*handles)
+        if batch == 1:
+            # the first round (step 3): the prompt and the first token (its prefill's) plus steps 1 and 2's commits
+            expected = [len(repeated) + sum(n for step, n in commits if step < 3)]
+            expected += [sum(n for step, n in commits if r - 3 <= step < r) for r in range(6, steps[0] + 1, 3)]
+            assert rounds[: len(expected)] == pytest.approx(expected)
+            chains = [masked for rows, tokens, masked in forwards if tokens > rows]
+            assert chains and not any(chains)  # chains alone: causal, no mask
+        else:
+            assert any(masked for rows, tokens, masked in forwards if tokens > rows)
+        assert all(not masked for rows, tokens, masked in forwards if tokens == rows)
 
 
 def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
