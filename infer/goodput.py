@@ -318,6 +318,9 @@ class DrafterStats:
     # running reach, which runs high where selection keeps the rows that were lucky lately.
     probability: Calibration = field(default_factory=Calibration)
     rates: Calibration = field(default_factory=Calibration)
+    # [d - 1]: decaying [trees, sum of 1 / their nodes at depth d] over its trees without probabilities, whose
+    # siblings split a depth's reach evenly (prompt lookup's matches): what the likeliest node of a level holds.
+    split: list[list[float]] = field(default_factory=list)
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose path reached d
     seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d (see `DRAFTER_MEMORY`)
@@ -399,6 +402,30 @@ class DrafterStats:
 
     def reach_at(self, depth: int) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else REACH_PRIOR**depth
+
+    def share_at(self, depth: int) -> float:
+        """The share of the reach at ``depth`` its likeliest node holds, on average (1 for a chain), pulled toward 1
+        by `PRIOR_WEIGHT` pseudo-trees: a plan of one node a level counts on that much (stories260K, prompt lookup
+        at batch 1: plans counting the whole reach drafted tries whose siblings selection then cut, every one)."""
+        if depth > len(self.split):
+            return 1.0
+        trees, shares = self.split[depth - 1]
+        return (shares + PRIOR_WEIGHT) / (trees + PRIOR_WEIGHT)
+
+    def observe_split(self, depth: list[int]) -> None:
+        """A drafted tree without probabilities, its nodes' depths (root first)."""
+        counts: dict[int, int] = {}
+        for d in depth[1:]:
+            counts[d] = counts.get(d, 0) + 1
+        for d, k in counts.items():
+            while len(self.split) < d:
+                self.split.append([0.0, 0.0])
+            point = self.split[d - 1]
+            point[0] += 1
+            point[1] += 1 / k
+            if point[0] > DRAFTER_MEMORY:
+                point[0] /= 2
+                point[1] /= 2
 
     def observe_reach(self, accepted: int, verified_depth: int) -> None:
         """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
@@ -612,11 +639,13 @@ class GoodputController:
     def _plan_row(self, row: RowState, drafter: Any, priced: tuple, max_depth: int) -> tuple[Any, int, int, float]:
         """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes)."""
         _, levels, per_token, prior = priced
-        reach, rates = row.reach, self._stats(drafter).rates
+        stats = self._stats(drafter)
+        reach, rates = row.reach, stats.rates
         best, best_net, committed = 0, 0.0, 1.0
         for d in range(1, max_depth + 1):
-            # expected tokens (a running reach, calibrated as selection's rates are) ...
-            committed += (reach[d - 1] if d <= len(reach) else prior[d - 1]) * rates.factor(d)
+            # expected tokens (a running reach, calibrated as selection's rates are, of which a level's likeliest
+            # node holds its share) ...
+            committed += (reach[d - 1] if d <= len(reach) else prior[d - 1]) * rates.factor(d) * stats.share_at(d)
             # ... less the price of d levels and of catching up every token committed, as a row drafting each step does
             net = committed - 1.0 - levels[d] - per_token * committed
             if net > best_net:
@@ -717,6 +746,7 @@ class GoodputController:
             estimates[r] = est
             if rate is not None:
                 rates[r] = rate
+                self._stats(c.drafter).observe_split(c.tree.depth.tolist())
             if not c.adaptive:
                 tokens += c.tree.num_draft_tokens
                 expected += sum(est[1:])

@@ -154,6 +154,24 @@ def test_a_drafters_cost_is_fitted_apart_from_the_tokens_it_catches_up_and_plans
     assert ctl.plan([(0, d, 2)], batch=1) == {0: 1}
 
 
+def test_plans_count_on_the_share_of_a_levels_reach_its_likeliest_node_holds_where_siblings_split_it():
+    """Prompt lookup's trie splits a depth's reach among its siblings: selection keeps one node of a level cheaply,
+    so a plan counts on that node's share, learned from the trees selection saw."""
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free: a level costs its drafting
+    stats = ctl.stats(d)
+    for levels in (1, 2) * 10:
+        stats.observe_cost(levels, 0.2 * levels)  # 0.2 tokens a level
+    stats.reach = [0.3]
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}  # no tree seen yet: the whole reach, 0.3 > 0.2
+    three = tree_of([-1, 0, 0, 0], tokens=[5, 6, 7, 8])  # three matches disagree at depth 1
+    for _ in range(20):
+        ctl.select([Candidate(0, d, three, True)])
+    assert stats.share_at(1) == pytest.approx((20 / 3 + 4) / (20 + 4))
+    stats.moved()
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 0}  # 0.3 x 0.44 < 0.2
+    assert stats.share_at(2) == 1.0  # never split: whole
+
+
 def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
     from specgraft.infer.goodput import DRAFTER_MEMORY, PRIOR_WEIGHT, REACH_PRIOR
 
