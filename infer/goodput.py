@@ -30,7 +30,7 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    without probabilities (prompt lookup) uses its row's running acceptance by
    depth, calibrated the same way (selection keeps the rows that were lucky
    lately, so the raw rates run high). T is measured once with a few timed
-   forwards, read on the lower convex hull of those times (`convex_floor`),
+   forwards, read on the lower convex hull of those times past one token (`convex_floor`),
    and rescaled by the forward times steps observe (P from those with trees
    against those without); a drafter's cost per row, a fixed part plus a
    part per level (prompt lookup pays once for any depth, a head once per
@@ -255,16 +255,19 @@ def _timed(forward: Callable[[], object], cache: Any, cached: int) -> float:
 
 
 def convex_floor(points: dict[int, float]) -> dict[int, float]:
-    """The timed points moved onto their lower convex hull, never decreasing: what a token costs, read steadily.
+    """The timed points of more than one token moved onto their lower convex hull, never decreasing and never
+    below one token's: what a token costs, read steadily.
 
     A forward's time against its tokens wiggles with the kernels' choice of blocking (on one CPU, 12 tokens
     took longer than 16 and 16 as long as 24) and with noise; a running maximum turned such a dip into a flat
     stretch where more tokens looked free. The hull keeps the efficient points and prices every token between
-    them at the same rate.
+    them at the same rate. One token stays apart, as timed: decoding one token runs other kernels than
+    several, and the step between them is no slope (stories260K: 590-632 us for 1 token, 691-700 for 2,
+    809-814 for 8; a hull through 1 priced 2 tokens at 612-652 and made a verified token look nearly free).
     """
     xs = sorted(points)
     hull: list[int] = []
-    for x in xs:
+    for x in xs[1:] if len(xs) > 2 else xs:
         while len(hull) >= 2:
             a, b = hull[-2], hull[-1]
             if (points[b] - points[a]) * (x - a) >= (points[x] - points[a]) * (b - a):  # b is not below a-x
@@ -275,7 +278,7 @@ def convex_floor(points: dict[int, float]) -> dict[int, float]:
     out, floor = {}, 0.0
     for x in xs:
         i = bisect.bisect_left(hull, x)
-        if hull[i] == x:
+        if x < hull[0] or hull[i] == x:  # the one token left apart, or on the hull
             y = points[x]
         else:
             a, b = hull[i - 1], hull[i]

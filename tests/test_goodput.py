@@ -197,6 +197,9 @@ def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_token
     assert all(curve[x] <= timed[x] + 1e-12 for x in xs) and curve[1] == 1.0 and curve[32] == 7.0
     assert curve[24] > curve[16]  # a running maximum made 12..24 one flat price: tokens there looked free
     assert convex_floor({1: 2.0, 2: 1.0, 6: 2.0}) == {1: 2.0, 2: 2.0, 6: 2.0}  # never cheaper for more tokens
+    # One token runs other kernels than several: the step to two is kept, not read as a slope (stories260K, us).
+    stepped = convex_floor({1: 632, 2: 700, 3: 749, 4: 847, 8: 814, 16: 945})
+    assert stepped[1] == 632 and stepped[2] == 700 and stepped[4] == pytest.approx(735)
 
 
 def test_the_step_cost_is_timed_within_a_short_context():
