@@ -434,15 +434,7 @@ class DrafterStats:
         """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
         its recent steps (an EMA of weight 0.2 wandered 0.13-0.41 around SmolLM2's EAGLE-3 0.23), pulled toward
         `REACH_PRIOR` by `PRIOR_WEIGHT` pseudo-steps."""
-        for d in range(1, verified_depth + 1):
-            if d > len(self.seen):
-                self.hits.append(0.0)
-                self.seen.append(0.0)
-            self.hits[d - 1] += accepted >= d
-            self.seen[d - 1] += 1
-            if self.seen[d - 1] > DRAFTER_MEMORY:
-                self.hits[d - 1] /= 2
-                self.seen[d - 1] /= 2
+        count_reach(self.hits, self.seen, accepted, verified_depth, DRAFTER_MEMORY)
         self.reach = [(h + PRIOR_WEIGHT * REACH_PRIOR**d) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
@@ -475,15 +467,7 @@ class RowState:
         """Its reach by depth: its own recent hits, pulled toward its drafter's by `PRIOR_WEIGHT` pseudo-steps (a few
         rejections do not silence a row; `ROW_MEMORY` recent steps a depth count before older ones halve), at
         ``now`` on the controller's clock."""
-        for d in range(1, verified_depth + 1):
-            if d > len(self.seen):
-                self.hits.append(0.0)
-                self.seen.append(0.0)
-            self.hits[d - 1] += accepted >= d
-            self.seen[d - 1] += 1
-            if self.seen[d - 1] > ROW_MEMORY:
-                self.hits[d - 1] /= 2
-                self.seen[d - 1] /= 2
+        count_reach(self.hits, self.seen, accepted, verified_depth, ROW_MEMORY)
         self.plan, self.quieted = None, now
         self._pull(drafter)
 
@@ -506,6 +490,20 @@ class RowState:
         DrafterStats.changes += 1
         self.reach = [(h + PRIOR_WEIGHT * drafter.reach_at(d)) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
+
+
+def count_reach(hits: list[float], seen: list[float], accepted: int, verified_depth: int, memory: float) -> None:
+    """Count a step verified to ``verified_depth`` that accepted ``accepted`` draft tokens, at every depth it verified
+    ([d - 1]: steps whose path reached d, steps verified to d); a depth's counts halve past ``memory`` steps."""
+    for d in range(1, verified_depth + 1):
+        if d > len(seen):
+            hits.append(0.0)
+            seen.append(0.0)
+        hits[d - 1] += accepted >= d
+        seen[d - 1] += 1
+        if seen[d - 1] > memory:
+            hits[d - 1] /= 2
+            seen[d - 1] /= 2
 
 
 @dataclass
