@@ -69,7 +69,7 @@ EMA = 0.2
 # reach at its drafter's, each worth this many observations.
 PRIOR_WEIGHT = 4.0
 ROW_MEMORY = 32.0  # steps verified to a depth a row's reach there counts before both counts halve
-DRAFTER_MEMORY = 128.0  # the same for a drafter's reach over all its rows (the prior of a row's)
+DRAFTER_MEMORY = 128.0  # the same for a drafter's reach over all its rows (the prior of a row's) and its siblings' split
 DRAFT_MEMORY = 32  # draft rounds over which the fit of a drafter's cost decays (by 1/e)
 # Steps a row plans no draft before its own counts halve: stale evidence drifts back to its drafter's reach, so a row
 # that two early misses silenced drafts again where its drafter pays (the probes alone came too rarely for that).
@@ -293,6 +293,7 @@ class Calibration:
 
     predicted: list[float] = field(default_factory=list)  # [d - 1]: sum of the raw estimates verified at depth d
     accepted: list[float] = field(default_factory=list)  # [d - 1]: how many of them were accepted
+    memory: float = CALIBRATION_MEMORY  # predicted at a depth before both of its sums halve
 
     def factor(self, depth: int) -> float:
         """accepted / predicted at ``depth``, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
@@ -301,14 +302,14 @@ class Calibration:
             return 1.0
         return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
 
-    def observe(self, depth: int, raw: float, accepted: bool) -> None:
+    def observe(self, depth: int, raw: float, accepted: float) -> None:
         while len(self.predicted) < depth:
             self.predicted.append(0.0)
             self.accepted.append(0.0)
         i = depth - 1
         self.predicted[i] += raw
         self.accepted[i] += accepted
-        if self.predicted[i] > CALIBRATION_MEMORY:  # halve both: recent steps weigh more as the text moves on
+        if self.predicted[i] > self.memory:  # halve both: recent steps weigh more as the text moves on
             self.predicted[i] /= 2
             self.accepted[i] /= 2
 
@@ -321,9 +322,10 @@ class DrafterStats:
     # running reach, which runs high where selection keeps the rows that were lucky lately.
     probability: Calibration = field(default_factory=Calibration)
     rates: Calibration = field(default_factory=Calibration)
-    # [d - 1]: decaying [trees, sum of 1 / their nodes at depth d] over its trees without probabilities, whose
-    # siblings split a depth's reach evenly (prompt lookup's matches): what the likeliest node of a level holds.
-    split: list[list[float]] = field(default_factory=list)
+    # Over its trees without probabilities, whose siblings split a depth's reach evenly (prompt lookup's matches):
+    # by depth, the trees (as predicted) and the sum of 1 / their nodes there (as accepted), so that its factor is
+    # the share of a level's reach its likeliest node holds.
+    split: Calibration = field(default_factory=lambda: Calibration(memory=DRAFTER_MEMORY))
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose path reached d
     seen: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d (see `DRAFTER_MEMORY`)
@@ -410,10 +412,7 @@ class DrafterStats:
         """The share of the reach at ``depth`` its likeliest node holds, on average (1 for a chain), pulled toward 1
         by `PRIOR_WEIGHT` pseudo-trees: a plan of one node a level counts on that much (stories260K, prompt lookup
         at batch 1: plans counting the whole reach drafted tries whose siblings selection then cut, every one)."""
-        if depth > len(self.split):
-            return 1.0
-        trees, shares = self.split[depth - 1]
-        return (shares + PRIOR_WEIGHT) / (trees + PRIOR_WEIGHT)
+        return self.split.factor(depth)
 
     def observe_split(self, depth: list[int]) -> None:
         """A drafted tree without probabilities, its nodes' depths (root first)."""
@@ -421,14 +420,7 @@ class DrafterStats:
         for d in depth[1:]:
             counts[d] = counts.get(d, 0) + 1
         for d, k in counts.items():
-            while len(self.split) < d:
-                self.split.append([0.0, 0.0])
-            point = self.split[d - 1]
-            point[0] += 1
-            point[1] += 1 / k
-            if point[0] > DRAFTER_MEMORY:
-                point[0] /= 2
-                point[1] /= 2
+            self.split.observe(d, 1.0, 1 / k)
 
     def observe_reach(self, accepted: int, verified_depth: int) -> None:
         """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
