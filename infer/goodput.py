@@ -339,6 +339,7 @@ class DrafterStats:
     warm: bool = False  # a round was timed already: the first (cold: first calls allocate) is not its cost
     # depth -> [verified nodes, sum of the estimates selection used, how many were accepted]: the calibration curve.
     curve: dict[int, list[float]] = field(default_factory=dict)
+    _line: tuple[int, tuple[float, float, float]] = field(default=(-1, (0.0, 0.0, 0.0)), repr=False)  # (version, fit)
 
     @property
     def measured(self) -> bool:
@@ -352,10 +353,10 @@ class DrafterStats:
     def observe_cost(self, levels: int, seconds_per_row: float, behind: float = 0.0) -> None:
         """A round drafted ``levels`` deep for rows that had ``behind`` committed tokens (a mean) not yet drafted
         from (a drafter with a cache runs them first) and took ``seconds_per_row``."""
-        self.moved()
         x, z, y = float(levels), float(behind), seconds_per_row
         keep = 1 - 1 / DRAFT_MEMORY
         self.moments = [keep * m + v for m, v in zip(self.moments, (1.0, x, z, y, x * x, x * z, z * z, x * y, z * y))]
+        self.moved()
 
     def cost_of(self, levels: int, behind: float = 0.0) -> float:
         """Seconds of drafting one row ``levels`` deep, ``behind`` committed tokens since it last drafted."""
@@ -365,7 +366,14 @@ class DrafterStats:
         return max(fixed + per_level * levels, 0.0) + per_behind * behind
 
     def cost_line(self) -> tuple[float, float, float]:
-        """(fixed, per level, per token behind) seconds of drafting one row: least squares over its rounds.
+        """(fixed, per level, per token behind) seconds of drafting one row: least squares over its rounds, fitted
+        once per ``version`` (a plan prices every depth on it)."""
+        if self._line[0] != self.version:
+            self._line = (self.version, self._fit())
+        return self._line[1]
+
+    def _fit(self) -> tuple[float, float, float]:
+        """`cost_line`'s fit.
 
         A row that drafted a few steps ago has a few tokens to catch up; one idle for long, its whole stretch
         (SmolLM2's EAGLE-3 head: 5 ms a round from 2 tokens behind, 10 ms from 120). The fixed part may be
