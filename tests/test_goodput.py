@@ -499,7 +499,7 @@ class Guesses:
         return tree_of(list(range(-1, max_depth)), tokens=[root_token] + [7] * max_depth)
 
 
-def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, dev_prompts, monkeypatch):
+def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, monkeypatch):
     """A draft round is timed with the tokens its rows were behind (the prompt, then every commit since their last
     round); a forward is reported masked only when it paid for trees: a chain alone runs causal, a batch packed
     with a tree pays."""
@@ -515,9 +515,9 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
     monkeypatch.setattr(GoodputController, "observe_draft", lambda self, d, rows, levels, s, behind: rounds.append(behind))
     monkeypatch.setattr(GoodputController, "observe_times",
                         lambda self, tokens, f, rows, drafted, b, masked: forwards.append((rows, tokens, masked)))
-    repeated = stories.encode("the cat sat on the mat and the cat sat on the mat and the cat sat on the")
+    prompt = stories.encode("the cat sat on the mat and the cat sat on the mat and the cat sat on the")
     for batch in (1, 2):
-        sched = sg.Scheduler(stories, {"lookup": Guesses()}, max_batch_size=batch)
+        sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=batch)
         driver = Driver(sched)
         commits = []
         original = sched._commit
@@ -529,11 +529,11 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
 
         sched._commit = commit
         steps[0], rounds[:], forwards[:] = 0, [], []
-        handles = [sched.submit(repeated, 16, drafter="lookup", tree=sg.Adaptive(), eos_token_id=()) for _ in range(batch)]
+        handles = [sched.submit(prompt, 16, drafter="guesses", tree=sg.Adaptive(), eos_token_id=()) for _ in range(batch)]
         driver.run(*handles)
         if batch == 1:
             # the first round (step 3): the prompt and the first token (its prefill's) plus steps 1 and 2's commits
-            expected = [len(repeated) + sum(n for step, n in commits if step < 3)]
+            expected = [len(prompt) + sum(n for step, n in commits if step < 3)]
             expected += [sum(n for step, n in commits if r - 3 <= step < r) for r in range(6, steps[0] + 1, 3)]
             assert rounds[: len(expected)] == pytest.approx(expected)
             chains = [masked for rows, tokens, masked in forwards if tokens > rows]
