@@ -102,12 +102,12 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    # A forward in which some row verifies more than its root takes this much longer than its tokens alone. A row
-    # alone verifies a tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three
-    # start-ups; SmolLM2 1.00); packed, that row also leaves the one SDPA call of the one-token rows (16 rows: 2.06 ms
-    # with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the convex curve cannot hold:
-    # timed once at start-up on a row alone (``trees_seen``), then learned from the forwards with trees against
-    # ``scale``.
+    # A forward that pays for trees takes this much longer than its tokens alone. A row alone verifies a branching
+    # tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three start-ups;
+    # SmolLM2 1.00-1.38, five); packed, any row of more than one token also leaves the one SDPA call of the one-token
+    # rows (16 rows: 2.06 ms with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the
+    # convex curve cannot hold: timed once at start-up on a row alone (``trees_seen``), then learned from the forwards
+    # with trees against ``scale``.
     tree_ratio: float = 1.0
     trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
     # (tokens, seconds) of forwards since the last rescale, without trees and with.
