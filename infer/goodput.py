@@ -6,7 +6,8 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
 1. plans how deep each row drafts, before drafting: d levels pay when the
    tokens they are expected to add (the chance the row's accepted path
    reaches each) beat their price in tokens of the step's goodput without
-   speculation (one token per row per forward at this batch): the drafter's
+   speculation (one token per row per step at this batch, a step being its
+   forward and its work beyond, O below): the drafter's
    d levels, d more tokens in the forward, the tree's fixed costs (P and W
    below), and catching up, in the drafter's next round, every token the row
    commits (a head with a cache runs them first). Now and then a row probes
@@ -15,13 +16,16 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    yet) is learned again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
-   sum over rows of (1 + the estimates of its selected nodes) / (T(N) + P + W R),
-   N the tokens verified, T the target's forward time at N packed tokens, R
-   the rows verifying a tree, P what the first tree adds to the forward (a
+   sum over rows of (1 + the estimates of its selected nodes) / (T(N) + O + P + W R),
+   N the tokens verified, T the target's forward time at N packed tokens, O
+   the step's work beyond its forward and drafting (planning, commits, and
+   whatever handles the tokens between steps: a server's streaming), R the
+   rows verifying a tree, P what the first tree adds to the forward (a
    masked forward; packed, its row also leaves the one-token rows' single
    attention call; a chain verified alone runs unmasked and adds nothing) and
-   W the scheduler's own work on one (masks, acceptance, gathers; fitted to
-   the steps' times beyond their forward). Nodes enter by decreasing estimate
+   W the work a tree adds (selection, masks, acceptance, gathers); O and W are
+   fitted to the time from each step's start to the next's, less its forward
+   and drafting. Nodes enter by decreasing estimate
    and an estimate never exceeds its parent's, so a selected node's parent is
    always selected;
 3. learns, after verifying: a node's estimate is its drafter's path
@@ -79,7 +83,9 @@ CALIBRATION_MEMORY = 200.0  # predicted acceptances a depth's calibration sums b
 # Token counts at which T(N) is timed at start-up; larger N are extrapolated along the last segment.
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 COST_PREFIX = 64  # cached tokens before the timed forwards
-COST_REPEATS = 4  # timed forwards per size; the fastest counts
+COST_REPEATS = 4  # timed forwards per size at least; the fastest counts
+COST_SECONDS = 0.25  # ... and more, while the passes over the sizes took less than this (a fast target)
+COST_MAX_PASSES = 64
 RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
 # Steps over which the fit of a tree's scheduler work decays (by 1/e): rows that draft can be a few percent of the
 # steps, and a memory of 40 steps (EMA per fold) held a handful of them (stories260K, batch 1, prompt lookup: 205 us
@@ -113,30 +119,38 @@ class StepCost:
     # (tokens, seconds) of forwards since the last rescale, without trees and with.
     observed: list[tuple[int, float]] = field(default_factory=list)
     observed_trees: list[tuple[int, float]] = field(default_factory=list)
-    # Seconds a row verifying a tree adds beyond its forward tokens (tree masks, acceptance, gathers: the scheduler's
-    # own work), fitted to steps; and the decaying sums of that fit (steps, rows², rows·drafted, drafted², rows·s,
-    # drafted·s; see `OVERHEAD_MEMORY`).
+    # A step's time beyond its forward and its drafting (planning, selection, tree masks, acceptance, gathers, commits,
+    # and whatever runs between steps: a generator's or a server's handling of the tokens), fitted to observed steps as
+    # per_step + per_row * rows + per_drafted * rows verifying a tree (see `observe_overhead`). Every token a step
+    # commits is bought with its whole time, so this prices speculation as much as the forward does.
+    per_step: float = 0.0
+    per_row: float = 0.0
     per_drafted: float = 0.0
-    moments: list[float] = field(default_factory=lambda: [0.0] * 6)
+    # Decaying sums of that fit (see `OVERHEAD_MEMORY`; the layout of `plane`), and those of the steps since the last
+    # fit, folded in as one every `RESCALE_EVERY` steps (a step adds to plain floats: the fit costs nothing between).
+    moments: list[float] = field(default_factory=lambda: [0.0] * 9)
+    pending: list[float] = field(default_factory=lambda: [0.0] * 9)
     steps: int = 0
-    # The same sums over the steps since the last fit, folded into ``moments`` as one observation every
-    # `RESCALE_EVERY` steps (a step adds to plain floats: the fit costs nothing on the steps between).
-    pending: list[float] = field(default_factory=lambda: [0.0] * 6)
 
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
-        self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
+        self._priced_at = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
 
-    def price_point(self) -> tuple[float, float, float]:
-        """(scale, work per drafted row, tree ratio) as plans were last priced: held until one moves by
-        `PRICE_TOLERANCE` (the work: of T(1))."""
-        scale, per_drafted, tree_ratio = self._priced_at
-        if (abs(self.scale - scale) > PRICE_TOLERANCE * scale
-                or abs(self.per_drafted - per_drafted) > PRICE_TOLERANCE * self._ys[0] * self.scale
-                or abs(self.tree_ratio - tree_ratio) > PRICE_TOLERANCE):
-            self._priced_at = (self.scale, self.per_drafted, self.tree_ratio)
+    def price_point(self) -> tuple[float, ...]:
+        """(scale, tree ratio, work per step, per row, per drafted row) as plans were last priced: held until one
+        moves by `PRICE_TOLERANCE` (the works: of T(1))."""
+        now = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
+        held = self._priced_at
+        work = PRICE_TOLERANCE * self._ys[0] * self.scale
+        if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0] or abs(now[1] - held[1]) > PRICE_TOLERANCE
+                or any(abs(a - b) > work for a, b in zip(now[2:], held[2:]))):
+            self._priced_at = now
         return self._priced_at
+
+    def overhead(self, rows: int) -> float:
+        """Seconds of a step over ``rows`` rows beyond its forward, where no row drafts (see ``per_step``)."""
+        return max(self.per_step + self.per_row * rows, 0.0)
 
     def tree_penalty(self, n: int) -> float:
         """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
@@ -153,13 +167,22 @@ class StepCost:
         prefix = (torch.arange(cached, device=device) * 31 + 5) % target.vocab_size
         cache = target.new_cache()
         target.forward(prefix[None], cache, torch.arange(cached, device=device)[None])
-        points = {}
-        for n in sizes:
-            ids, positions = _filler(target, n), torch.arange(cached, cached + n, device=device)[None]
-            repeats = COST_REPEATS if n <= 16 else 1  # large N vary little
-            times = [_timed(lambda: target.forward(ids[None], cache, positions), cache, cached)
-                     for _ in range(repeats + 1)]
-            points[n] = min(times[1:])  # the first warms up
+        inputs = {n: (_filler(target, n), torch.arange(cached, cached + n, device=device)[None]) for n in sizes}
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        # Every size once per pass, the passes in turn: a burst of load on the machine slows one pass, whose times the
+        # other passes' beat, rather than every repeat of the sizes timed meanwhile (timed size after size, 1-4 tokens
+        # once took 1.7 times their time and flattened the curve: more tokens looked free). Passes run up and down the
+        # sizes in turn: a forward right after a much larger one runs cold (1 token after 256: 10-20% slower).
+        # A fast target's passes go on for `COST_SECONDS`: bursts of load last longer than a few of its passes.
+        started, rep = time.perf_counter(), 0
+        while rep <= COST_REPEATS or (rep < COST_MAX_PASSES and time.perf_counter() - started < COST_SECONDS):
+            for n in sizes if rep % 2 == 0 else reversed(sizes):
+                if rep > 3 and n > 16:  # large N, slow to time, vary little: three times (after a warm-up)
+                    continue
+                ids, positions = inputs[n]
+                times[n].append(_timed(lambda: target.forward(ids[None], cache, positions), cache, cached))
+            rep += 1
+        points = {n: min(t[1:]) for n, t in times.items()}
         return cls(convex_floor(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
@@ -174,27 +197,41 @@ class StepCost:
             base = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
         return base * self.scale
 
-    def observe_step(self, rows: int, drafted: int, seconds: float) -> None:
-        """A step's verification and commits beyond its forward took ``seconds`` for ``rows`` rows of which ``drafted``
-        verified a tree: fit seconds = per_row * rows + per_drafted * drafted (least squares over decaying sums, no
-        intercept, refitted every `RESCALE_EVERY` steps: plans priced on it are reused between)."""
-        p = self.pending
-        p[0] += 1.0
-        p[1] += rows * rows
-        p[2] += rows * drafted
-        p[3] += drafted * drafted
-        p[4] += rows * seconds
-        p[5] += drafted * seconds
+    def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
+        """A step over ``rows`` rows, ``drafted`` of which verified a tree, took ``seconds`` beyond its forward and its
+        drafting (from its start to the next step's): fit ``per_step``, ``per_row`` and ``per_drafted`` (least
+        squares over decaying sums, refitted every `RESCALE_EVERY` steps: plans priced on it are reused between).
+
+        Steps all of one batch size cannot tell the work per step from the work per row: it is then put on the
+        rows; steps where no row or every row verified a tree, the work of a tree from a row's: on the rows.
+        """
+        r, d = float(rows), float(drafted)
+        for i, v in enumerate((1.0, r, d, seconds, r * r, r * d, d * d, r * seconds, d * seconds)):
+            self.pending[i] += v
         self.steps += 1
         if self.steps % RESCALE_EVERY:
             return
         decay = (1 - 1 / OVERHEAD_MEMORY) ** RESCALE_EVERY
-        self.moments = [decay * m + v for m, v in zip(self.moments, p)]
-        self.pending = [0.0] * 6
-        _, rr, rd, dd, ry, dy = self.moments
-        det = rr * dd - rd * rd
-        if det > 1e-9 * max(rr * dd, 1e-30):
-            self.per_drafted = max((rr * dy - rd * ry) / det, 0.0)
+        self.moments = [decay * m + v for m, v in zip(self.moments, self.pending)]
+        self.pending = [0.0] * 9
+        fit = plane(self.moments)
+        if fit is None:
+            return
+        (mr, md, my), (vrr, vrd, vdd), (cry, cdy) = fit
+        rows_vary, drafted_vary = vrr > 1e-9, vdd > 1e-9 and vrr * vdd - vrd * vrd > 1e-6 * vrr * vdd
+        if rows_vary and drafted_vary:
+            det = vrr * vdd - vrd * vrd
+            per_row, per_drafted = (cry * vdd - cdy * vrd) / det, (cdy * vrr - cry * vrd) / det
+        elif rows_vary:  # trees' work not apart from the rows' (none, or as many as the rows): on the rows
+            per_row, per_drafted = cry / vrr, 0.0
+        else:  # one batch size: what is not the trees' work goes on its rows
+            per_row, per_drafted = 0.0, (cdy / vdd if vdd > 1e-9 else 0.0)
+        self.per_drafted = max(per_drafted, 0.0)
+        rest = my - self.per_drafted * md  # the mean step's work that is not its trees'
+        if rows_vary:
+            self.per_row, self.per_step = per_row, rest - per_row * mr
+        else:
+            self.per_row, self.per_step = rest / max(mr, 1.0), 0.0
 
     def observe(self, n: int, seconds: float, trees: bool = False) -> None:
         """A step's forward over ``n`` tokens took ``seconds``; ``trees``: it paid for trees (a mask, or packed rows
@@ -285,6 +322,18 @@ def convex_floor(points: dict[int, float]) -> dict[int, float]:
             y = points[a] + (points[b] - points[a]) * (x - a) / (b - a)
         floor = out[x] = max(y, floor)
     return out
+
+
+def plane(moments: list[float]) -> tuple[tuple[float, float, float], tuple[float, float, float],
+                                         tuple[float, float]] | None:
+    """Means (x, z, y), variances (xx, xz, zz) and covariances (xy, zy) of weighted sums laid out as
+    (weight, x, z, y, xx, xz, zz, xy, zy): the least squares plane y = a + b x + c z reads off them (None: no weight)."""
+    w, sx, sz, sy, sxx, sxz, szz, sxy, szy = moments
+    if w <= 0:
+        return None
+    mx, mz, my = sx / w, sz / w, sy / w
+    return ((mx, mz, my), (sxx / w - mx * mx, sxz / w - mx * mz, szz / w - mz * mz),
+            (sxy / w - mx * my, szy / w - mz * my))
 
 
 @dataclass
@@ -382,12 +431,10 @@ class DrafterStats:
         its cost. Rounds all of one depth cannot tell the fixed part from the levels': it is then put on the
         levels; rounds all as far behind carry no per-token part.
         """
-        w, sx, sz, sy, sxx, sxz, szz, sxy, szy = self.moments
-        if w <= 0:
+        fit = plane(self.moments)
+        if fit is None:
             return 0.0, 0.0, 0.0
-        mx, mz, my = sx / w, sz / w, sy / w
-        vxx, vxz, vzz = sxx / w - mx * mx, sxz / w - mx * mz, szz / w - mz * mz
-        cxy, czy = sxy / w - mx * my, szy / w - mz * my
+        (mx, mz, my), (vxx, vxz, vzz), (cxy, czy) = fit
         per_behind = 0.0
         levels_vary = vxx >= 0.05 and mx > 0
         if levels_vary and vzz > 1e-9 and vxx * vzz - vxz * vxz > 1e-9 * vxx * vzz:
@@ -670,7 +717,7 @@ class GoodputController:
         priced = self.priced.get(id(drafter))
         if priced is None or priced[0] != inputs or len(priced[3]) < max_depth:
             base = cost(batch)
-            goodput = batch / base  # committed tokens per second of plain decoding at this batch
+            goodput = batch / (base + cost.overhead(batch))  # committed tokens per second of plain decoding at this batch
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
             fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch))
@@ -761,7 +808,7 @@ class GoodputController:
         chains_free = self.chains_unmasked(len(candidates))
         penalty = cost.tree_penalty(tokens)
         paid = any(not (chains_free and t.is_chain) for t in fixed)
-        extra = cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
+        extra = cost.overhead(len(candidates)) + cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
         gained, opened, levels = expected, set(), set()
         for k, (neg, depth, r, _) in enumerate(pool, start=1):
@@ -798,17 +845,17 @@ class GoodputController:
 
     # ------------------------------------------------------------------ 3. learn
 
-    def observe_times(
-        self, tokens: int, forward: float, rows: int, drafted: int, beyond: float, masked: bool = False
-    ) -> None:
-        """A step's times: ``forward`` seconds of its target forward over ``tokens`` packed tokens (0: not one forward,
-        Hugging Face's row by row, left untimed), ``masked`` if it paid for trees (see `chains_unmasked`), and
-        ``beyond`` seconds of its work beyond it (selection, commits) over ``rows`` rows, ``drafted`` of which
-        verified a tree."""
+    def observe_forward(self, tokens: int, seconds: float, masked: bool = False) -> None:
+        """A step's target forward over ``tokens`` packed tokens took ``seconds``; ``masked``: it paid for trees (see
+        `chains_unmasked`)."""
         if self.cost is not None:
-            if tokens:
-                self.cost.observe(tokens, forward, trees=masked)
-            self.cost.observe_step(rows, drafted, beyond)
+            self.cost.observe(tokens, seconds, trees=masked)
+
+    def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
+        """A step over ``rows`` rows, ``drafted`` of which verified a tree, took ``seconds`` beyond its forward and its
+        drafting, from its start to the next step's (see `StepCost.observe_overhead`)."""
+        if self.cost is not None:
+            self.cost.observe_overhead(rows, drafted, seconds)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
         """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""

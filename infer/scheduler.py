@@ -54,6 +54,9 @@ T = TypeVar("T")
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
+# A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
+# pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
+OVERHEAD_CLIP = 4.0
 
 
 @dataclass
@@ -151,6 +154,12 @@ class Scheduler:
         self._forward_tokens = 0  # the tokens of that forward, where it was one (0: Hugging Face's, row by row)
         self._forward_masked = False  # that forward paid for trees (a mask; packed, rows leaving the one-token call)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
+        self._draft_seconds = 0.0  # the last step's drafting, which the controller prices apart
+        # (start, rows, rows verifying a tree, its forward and drafting seconds, `_changes` then) of the last step, to
+        # time its work beyond them at the next step's start, if no row joined or left between (a prefill is no
+        # step's work).
+        self._last_step: tuple[float, int, int, float, int] | None = None
+        self._changes = 0  # rows joined and left so far
         self._next_handle = 0
 
     # ------------------------------------------------------------------ the pool
@@ -266,6 +275,7 @@ class Scheduler:
         while self.queued and len(self.running) < self.max_batch_size:
             request = self.queued.popleft()
             self.running[request.handle] = request
+            self._changes += 1
             self._isolated(request, events, lambda: self._prefill(request, events))
         live = [r for r in self.running.values() if not r.rule.done]
         if live:
@@ -307,14 +317,20 @@ class Scheduler:
 
     def _advance(self, live: list[Request], events: list[Event]) -> None:
         """One speculative step for every live row: draft, one verification forward, per-row commits."""
+        begun = time.perf_counter()
+        last, self._last_step = self._last_step, None
+        if self.controller is not None and last is not None and last[4] == self._changes:
+            started, rows, drafted, busy, _ = last
+            self.controller.observe_overhead(rows, drafted, min(begun - started - busy, OVERHEAD_CLIP * busy))
         self.counters.steps += 1
         for request in live:
             request.recorder.begin_step()
+        self._draft_seconds = 0.0
         trees = self._draft(live, events)
         live = [r for r in live if r.handle in trees]
         if not live:
             return
-        start, self._forward_seconds, self._forward_tokens, self._forward_masked = time.perf_counter(), 0.0, 0, False
+        self._forward_seconds, self._forward_tokens, self._forward_masked = 0.0, 0, False
         drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
             self.counters.adaptive_selected = None if not self._adaptive_rows else 0
@@ -329,10 +345,11 @@ class Scheduler:
                 logits, hidden = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, events))
-        if self.controller is not None:  # what verifying trees costs beyond their tokens: the scheduler's own work
-            beyond = time.perf_counter() - start - self._forward_seconds
-            self.controller.observe_times(self._forward_tokens, self._forward_seconds, len(live), len(drafted), beyond,
-                                          self._forward_masked)
+        if self.controller is not None:
+            if self._forward_tokens:  # one forward (Hugging Face's, row by row, is not timed as one)
+                self.controller.observe_forward(self._forward_tokens, self._forward_seconds, self._forward_masked)
+            self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
+                               self._changes)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
@@ -360,15 +377,17 @@ class Scheduler:
                                      request.draft_row or 0)
                 together.setdefault(request.drafter_name, []).append((request, draft))
             else:
-                start = time.thread_time()
+                start, wall = time.thread_time(), time.perf_counter()
                 tree = self._isolated(request, events, lambda: request.draft.propose(
                     request.root, request.tree, max_depth, request.sampling))
+                self._draft_seconds += time.perf_counter() - wall
                 self._observe_draft(request.drafter, [request], [tree], start)
                 if tree is not None:
                     trees[request.handle] = tree.to(self.target.device)
         for name, group in together.items():
-            start = time.thread_time()
+            start, wall = time.thread_time(), time.perf_counter()
             drafted = self._draft_together(name, group, events)
+            self._draft_seconds += time.perf_counter() - wall
             trees.update(drafted)
             self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()), start)
         return trees
@@ -511,6 +530,7 @@ class Scheduler:
     def _leave(self, request: Request) -> None:
         """Take a generation out of the running batch and free its rows."""
         self.running.pop(request.handle, None)
+        self._changes += 1
         if self.controller is not None:
             self.controller.forget(request.handle)
         if request.row is not None:

@@ -52,17 +52,40 @@ def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
     assert cost.scale == pytest.approx(1.2) and cost(4) == pytest.approx(3.0)
 
 
-def test_the_work_a_tree_adds_beyond_its_tokens_is_fitted_per_drafted_row_and_priced_in_selection():
-    cost = StepCost({1: 1.0, 64: 1.0})  # verifying tokens is free
-    for step in range(4 * RESCALE_EVERY):  # 1 ms a row, 0.5 ms more a row that verified a tree
+def test_a_steps_work_beyond_its_forward_is_fitted_per_step_per_row_and_per_drafted_row():
+    cost = StepCost({1: 1.0, 64: 1.0})
+    for step in range(4 * RESCALE_EVERY):  # 2 ms a step, 1 ms a row, 0.5 ms more a row that verified a tree
         rows, drafted = 4 + step % 3, step % 4
-        cost.observe_step(rows, drafted, 0.001 * rows + 0.0005 * drafted)
-    assert cost.per_drafted == pytest.approx(0.0005, rel=1e-3)
-    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()
+        cost.observe_overhead(rows, drafted, 0.002 + 0.001 * rows + 0.0005 * drafted)
+    assert (cost.per_step, cost.per_row, cost.per_drafted) == pytest.approx((0.002, 0.001, 0.0005), rel=1e-3)
+    assert cost.overhead(10) == pytest.approx(0.012)
+    one_size = StepCost({1: 1.0, 64: 1.0})
+    for step in range(4 * RESCALE_EVERY):  # one batch size: its steps' work goes on its rows, the trees' apart
+        one_size.observe_overhead(4, step % 2, 0.006 + 0.0005 * (step % 2))
+    assert (one_size.per_step, one_size.per_row, one_size.per_drafted) == pytest.approx((0.0, 0.0015, 0.0005))
+    assert one_size.overhead(4) == pytest.approx(0.006)
+
+
+def test_a_steps_work_beyond_its_forward_prices_trees_in_selection_and_plans():
+    """Verifying a token costs a whole forward (T(2) = 2 T(1)): a node accepted half the time does not pay on the
+    forward alone, but does once every step also spends two forwards' time on work beyond it; a tree's own work
+    takes it back."""
+    ctl, d = controller({1: 1.0, 2: 2.0, 3: 3.0}), Drafter()
     chain = tree_of([-1, 0], logp=[0.0, math.log(0.5)])
-    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # free: kept
-    ctl.cost.per_drafted = 1.0  # a tree costs a whole forward more: half a token does not repay it
-    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # 1.5 tokens in 2 s against 1 in 1 s
+    ctl.cost.per_row = 2.0
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # 1.5 in 4 s against 1 in 3 s
+    ctl.cost.per_drafted = 1.0  # a tree's work costs a whole forward more
+    assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # 1.5 in 5 s
+    stats = GoodputController.stats(d)
+    stats.reach = [0.5]
+    for _ in range(4):
+        stats.observe_cost(1, 0.0)  # drafting is free
+    ctl.cost.per_row, ctl.cost.per_drafted = 0.0, 0.0
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 0}
+    ctl.cost.per_row = 2.0
+    ctl.cost.price_point()
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}
 
 
 def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
@@ -513,8 +536,16 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
     monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
     monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
     monkeypatch.setattr(GoodputController, "observe_draft", lambda self, d, rows, levels, s, behind: rounds.append(behind))
-    monkeypatch.setattr(GoodputController, "observe_times",
-                        lambda self, tokens, f, rows, drafted, b, masked: forwards.append((rows, tokens, masked)))
+    verified = sg.Scheduler._verify
+
+    def verify(self, live, trees, prefixes, events):  # the rows of the step's forward
+        rows[0] = len(live)
+        return verified(self, live, trees, prefixes, events)
+
+    rows = [0]
+    monkeypatch.setattr(sg.Scheduler, "_verify", verify)
+    monkeypatch.setattr(GoodputController, "observe_forward",
+                        lambda self, tokens, seconds, masked: forwards.append((rows[0], tokens, masked)))
     prompt = stories.encode("the cat sat on the mat and the cat sat on the mat and the cat sat on the")
     for batch in (1, 2):
         sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=batch)
