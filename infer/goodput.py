@@ -91,6 +91,9 @@ RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
 # steps, and a memory of 40 steps (EMA per fold) held a handful of them (stories260K, batch 1, prompt lookup: 205 us
 # fitted against 142 us between the drafted steps' mean and the others').
 OVERHEAD_MEMORY = 256
+# A drafter's observations (draft rounds, verified trees) between re-pricings of its plans: each moves its statistics
+# a little, and a row that drafts every step would otherwise price every depth again every step.
+REPRICE_EVERY = 8
 # Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
 # (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
 PROBE_SHARE = 0.01
@@ -135,13 +138,16 @@ class StepCost:
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
-        self._priced_at = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
+        self._priced_at = self._checked = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
 
     def price_point(self) -> tuple[float, ...]:
         """(scale, tree ratio, work per step, per row, per drafted row) as plans were last priced: held until one
         moves by `PRICE_TOLERANCE` (the works: of T(1))."""
         now = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
         held = self._priced_at
+        if now == self._checked:  # nothing moved since the last check (they move every `RESCALE_EVERY` steps)
+            return held
+        self._checked = now
         work = PRICE_TOLERANCE * self._ys[0] * self.scale
         if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0] or abs(now[1] - held[1]) > PRICE_TOLERANCE
                 or any(abs(a - b) > work for a, b in zip(now[2:], held[2:]))):
@@ -381,14 +387,15 @@ class DrafterStats:
     # Decaying sums over its rounds (see `DRAFT_MEMORY`) of (1, levels, behind, seconds per row) and their products,
     # for `cost_line`'s plane: weight, x, z, y, xx, xz, zz, xy, zy.
     moments: list[float] = field(default_factory=lambda: [0.0] * 9)
-    version: int = 0  # moves whenever cost or reach does: a plan priced at an older version is priced again
+    version: int = 0  # moves with cost and reach (see `moved`): a plan priced at an older version is priced again
+    moves: int = 0  # observations of its cost or reach so far
     # Moves with any drafter's version and any row's counts (`RowState._pull`): a plan made at the same count has seen
     # nothing learned since.
     changes: ClassVar[int] = 0
     warm: bool = False  # a round was timed already: the first (cold: first calls allocate) is not its cost
     # depth -> [verified nodes, sum of the estimates selection used, how many were accepted]: the calibration curve.
     curve: dict[int, list[float]] = field(default_factory=dict)
-    _line: tuple[int, tuple[float, float, float]] = field(default=(-1, (0.0, 0.0, 0.0)), repr=False)  # (version, fit)
+    _line: tuple[int, tuple[float, float, float]] = field(default=(-1, (0.0, 0.0, 0.0)), repr=False)  # (moves, fit)
 
     @property
     def measured(self) -> bool:
@@ -399,13 +406,20 @@ class DrafterStats:
         self.version += 1
         DrafterStats.changes += 1
 
+    def observed(self) -> None:
+        """A round's cost or a tree's reach was observed: plans are priced again at the first and then at every
+        `REPRICE_EVERY`-th (pricing a drafter's depths took 15-25 us, every step a row drafted)."""
+        self.moves += 1
+        if self.version == 0 or self.moves % REPRICE_EVERY == 0:
+            self.moved()
+
     def observe_cost(self, levels: int, seconds_per_row: float, behind: float = 0.0) -> None:
         """A round drafted ``levels`` deep for rows that had ``behind`` committed tokens (a mean) not yet drafted
         from (a drafter with a cache runs them first) and took ``seconds_per_row``."""
         x, z, y = float(levels), float(behind), seconds_per_row
         keep = 1 - 1 / DRAFT_MEMORY
         self.moments = [keep * m + v for m, v in zip(self.moments, (1.0, x, z, y, x * x, x * z, z * z, x * y, z * y))]
-        self.moved()
+        self.observed()
 
     def cost_of(self, levels: int, behind: float = 0.0) -> float:
         """Seconds of drafting one row ``levels`` deep, ``behind`` committed tokens since it last drafted."""
@@ -416,9 +430,9 @@ class DrafterStats:
 
     def cost_line(self) -> tuple[float, float, float]:
         """(fixed, per level, per token behind) seconds of drafting one row: least squares over its rounds, fitted
-        once per ``version`` (a plan prices every depth on it)."""
-        if self._line[0] != self.version:
-            self._line = (self.version, self._fit())
+        once per observation (a plan prices every depth on it)."""
+        if self._line[0] != self.moves:
+            self._line = (self.moves, self._fit())
         return self._line[1]
 
     def _fit(self) -> tuple[float, float, float]:
@@ -880,5 +894,5 @@ class GoodputController:
                 point[2] += i in on_path
         accepted, verified = len(on_path) - 1, tree.max_depth
         stats.observe_reach(accepted, verified)
-        stats.moved()
+        stats.observed()
         row.observe(accepted, verified, stats, self.clock)
