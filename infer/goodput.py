@@ -11,7 +11,7 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    d levels, d more tokens in the forward, the tree's fixed costs (P and W
    below), and catching up, in the drafter's next round, every token the row
    commits (a head with a cache runs them first). Now and then a row probes
-   one level deeper than planned, verified whole, at most `PROBE_SHARE` of
+   one level deeper than planned, its likeliest path verified whole, at most `PROBE_SHARE` of
    its steps' worth, so that a level that stopped paying (or never paid
    yet) is learned again;
 2. selects, after drafting and across every row at once, the candidate nodes
@@ -34,7 +34,7 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    without probabilities (prompt lookup) uses its row's running acceptance by
    depth, calibrated the same way (selection keeps the rows that were lucky
    lately, so the raw rates run high). T is measured once with a few timed
-   forwards, read on the lower convex hull of those times past one token (`convex_floor`),
+   forwards, made never to decrease with more tokens (`rising_times`),
    and rescaled by the forward times steps observe (P from those with trees
    against those without); a drafter's cost per row, a fixed part plus a
    part per level (prompt lookup pays once for any depth, a head once per
@@ -94,8 +94,9 @@ OVERHEAD_MEMORY = 256
 # A drafter's observations (draft rounds, verified trees) between re-pricings of its plans: each moves its statistics
 # a little, and a row that drafts every step would otherwise price every depth again every step.
 REPRICE_EVERY = 8
-# Now and then a row probes one level deeper than planned, verified whole, so that its acceptance there is learned
-# (a row that never drafts a level never learns that it now pays): probes cost at most this share of its steps.
+# Now and then a row probes one level deeper than planned, its likeliest path verified whole, so that its acceptance
+# there is learned (a row that never drafts a level never learns that it now pays): probes cost at most this share of
+# its steps.
 PROBE_SHARE = 0.01
 # T's scale and the work of a tree move a little every `RESCALE_EVERY` steps; plans are priced again only once either
 # moved by this share (of the scale; of T(1) for the work), so a row that plans no draft keeps its plan for many steps.
@@ -115,7 +116,7 @@ class StepCost:
     # tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three start-ups;
     # SmolLM2 1.00-1.38, five); packed, any row of more than one token also leaves the one SDPA call of the one-token
     # rows (16 rows: 2.06 ms with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the
-    # convex curve cannot hold: timed once at start-up on a row alone (``trees_seen``), then learned from the forwards
+    # curve of causal tokens cannot hold: timed once at start-up on a row alone (``trees_seen``), then learned from the forwards
     # with trees against ``scale``.
     tree_ratio: float = 1.0
     trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
@@ -189,7 +190,7 @@ class StepCost:
                 times[n].append(_timed(lambda: target.forward(ids[None], cache, positions), cache, cached))
             rep += 1
         points = {n: min(t[1:]) for n, t in times.items()}
-        return cls(convex_floor(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
+        return cls(rising_times(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
         xs, ys = self._xs, self._ys
@@ -297,36 +298,20 @@ def _timed(forward: Callable[[], object], cache: Any, cached: int) -> float:
     return elapsed
 
 
-def convex_floor(points: dict[int, float]) -> dict[int, float]:
-    """The timed points of more than one token moved onto their lower convex hull, never decreasing and never
-    below one token's: what a token costs, read steadily.
+def rising_times(points: dict[int, float]) -> dict[int, float]:
+    """The timed points made never to decrease with more tokens: what verifying N tokens costs, read
+    conservatively.
 
-    A forward's time against its tokens wiggles with the kernels' choice of blocking (on one CPU, 12 tokens
-    took longer than 16 and 16 as long as 24) and with noise; a running maximum turned such a dip into a flat
-    stretch where more tokens looked free. The hull keeps the efficient points and prices every token between
-    them at the same rate. One token stays apart, as timed: decoding one token runs other kernels than
-    several, and the step between them is no slope (stories260K: 590-632 us for 1 token, 691-700 for 2,
-    809-814 for 8; a hull through 1 priced 2 tokens at 612-652 and made a verified token look nearly free).
+    A forward's time against its tokens climbs in steps with the kernels' choice of blocking: on SmolLM2, 1 and
+    2 tokens took 38 ms, 3 and 4 took 50-52 (at 64, 120 and 300 cached tokens alike). A lower convex hull, read
+    here before, priced 3 tokens at 40 ms, so plans and probes two levels deep cost a quarter of a forward more
+    than they were priced. Points that dip below a smaller size's (16 tokens once as fast as 12) take that
+    size's time: noise in a point now costs speculation, never throughput (each point is the fastest of several
+    passes, see `StepCost.measure`).
     """
-    xs = sorted(points)
-    hull: list[int] = []
-    for x in xs[1:] if len(xs) > 2 else xs:
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (points[b] - points[a]) * (x - a) >= (points[x] - points[a]) * (b - a):  # b is not below a-x
-                hull.pop()
-            else:
-                break
-        hull.append(x)
     out, floor = {}, 0.0
-    for x in xs:
-        i = bisect.bisect_left(hull, x)
-        if x < hull[0] or hull[i] == x:  # the one token left apart, or on the hull
-            y = points[x]
-        else:
-            a, b = hull[i - 1], hull[i]
-            y = points[a] + (points[b] - points[a]) * (x - a) / (b - a)
-        floor = out[x] = max(y, floor)
+    for x in sorted(points):
+        floor = out[x] = max(points[x], floor)
     return out
 
 
@@ -592,7 +577,7 @@ class GoodputController:
         self.rows: dict[int, RowState] = {}
         self.clock = 0  # plans made: the steps rows count between their probes and halvings
         self.selected_last: int = 0  # draft nodes the last selection kept, over every row
-        self.probes: set[int] = set()  # rows probing this step: one level drafted and verified whole, to learn from
+        self.probes: set[int] = set()  # rows probing this step: a level more drafted, its likeliest path verified
         self.estimated: dict[int, list[float]] = {}  # row -> the estimates of the nodes selection kept this step
         self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
         # id(drafter) -> (inputs, price by levels, per token caught up, reach prior): `plan`'s prices (see `_prices`).
@@ -642,8 +627,8 @@ class GoodputController:
 
         A row drafts the depth that maximises its expected tokens less what the drafting, the extra forward
         tokens and the scheduler's work on a tree cost at the step's goodput without speculation. Now and then a
-        row probes one level deeper (listed in ``probes``: verified whole; see `PROBE_SHARE`). A drafter whose
-        cost was never measured drafts one level: enough to measure it.
+        row probes one level deeper (listed in ``probes``: its likeliest path verified whole; see `PROBE_SHARE`).
+        A drafter whose cost was never measured drafts one level: enough to measure it.
 
         A step whose rows, batch, prices and learning are those of a plan that probed nothing, before any of its
         rows is due, gets that plan (the same dict: read it, do not change it); under load, where no row drafts,
@@ -790,15 +775,15 @@ class GoodputController:
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
         """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
 
-        Fixed rows' trees, and probes (see `PROBE_SHARE`), are verified whole: their nodes count as given costs and
-        gains.
+        Fixed rows' trees are verified whole, and probes (see `PROBE_SHARE`) the path to their likeliest deepest
+        node: their nodes count as given costs and gains.
         """
         cost = self.step_cost()
         tokens, expected = 0, 0.0
         pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
         estimates: dict[int, list[float]] = {}  # row index -> its nodes' estimates
         rates: dict[int, list[float]] = {}  # row index -> its nodes' raw rates (trees without probabilities)
-        candidates = [c if c.key not in self.probes else replace(c, adaptive=False) for c in candidates]
+        candidates = [c if c.key not in self.probes else self._probe(c) for c in candidates]
         for r, c in enumerate(candidates):
             tokens += 1
             expected += 1.0
@@ -856,6 +841,23 @@ class GoodputController:
             else:
                 trees[c.key] = subtree(c.tree, torch.tensor(kept, device=c.tree.tokens.device))
         return trees
+
+    def _probe(self, candidate: Candidate) -> Candidate:
+        """A probing row's tree cut to the path to its likeliest deepest node, verified whole (fixed): a chain teaches
+        a level's reach as a plan of one node a level counts on it, and verifies unmasked where a row runs alone
+        (SmolLM2, batch 1: a head's probe of 2 levels, 4 nodes under a mask, took 88 ms against 39 for a chain of 2)."""
+        tree = candidate.tree
+        if tree.num_nodes == 1 or tree.is_chain:
+            return replace(candidate, adaptive=False)
+        estimates, depth, parents = self.estimates(candidate), tree.depth.tolist(), tree.parents.tolist()
+        deepest = max(depth)
+        node = max((i for i in range(tree.num_nodes) if depth[i] == deepest), key=lambda i: estimates[i])
+        path = []
+        while node != ROOT_PARENT:
+            path.append(node)
+            node = parents[node]
+        return replace(candidate, tree=subtree(tree, torch.tensor(path[::-1], device=tree.tokens.device)),
+                       adaptive=False)
 
     # ------------------------------------------------------------------ 3. learn
 

@@ -56,7 +56,7 @@ DEFAULT_MAX_LEN = 4096
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
 # A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
 # pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
-OVERHEAD_CLIP = 4.0
+OVERHEAD_CLIP = 2.0
 
 
 @dataclass
@@ -326,6 +326,7 @@ class Scheduler:
         for request in live:
             request.recorder.begin_step()
         self._draft_seconds = 0.0
+        timed = self.controller is not None and self.controller.cost is not None
         trees = self._draft(live, events)
         live = [r for r in live if r.handle in trees]
         if not live:
@@ -348,8 +349,9 @@ class Scheduler:
         if self.controller is not None:
             if self._forward_tokens:  # one forward (Hugging Face's, row by row, is not timed as one)
                 self.controller.observe_forward(self._forward_tokens, self._forward_seconds, self._forward_masked)
-            self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
-                               self._changes)
+            if timed:  # a step that timed the target's cost curve (seconds, once per target) is no step's work
+                self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
+                                   self._changes)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""

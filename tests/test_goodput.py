@@ -4,13 +4,14 @@ exact end to end (greedy identity and enumerated distributions), alone and besid
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
+from specgraft.infer.goodput import _COSTS, RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -209,20 +210,16 @@ def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
     assert stats.reach_at(1) > 0.95  # old steps halved away
 
 
-def test_timed_points_are_read_on_their_lower_convex_hull_so_no_stretch_of_tokens_looks_free():
-    from specgraft.infer.goodput import convex_floor
+def test_timed_points_are_read_as_timed_steps_and_all_and_never_cheaper_for_more_tokens():
+    from specgraft.infer.goodput import rising_times
 
-    timed = {1: 1.0, 2: 1.1, 4: 2.5, 8: 4.0, 12: 6.0, 16: 5.0, 24: 5.5, 32: 7.0}  # 12 tokens slower than 16 and 24
-    curve = convex_floor(timed)
-    xs = sorted(curve)
-    slopes = [(curve[b] - curve[a]) / (b - a) for a, b in zip(xs, xs[1:])]
-    assert all(0 < s1 <= s2 + 1e-12 for s1, s2 in zip(slopes, slopes[1:]))  # rising, ever more steeply
-    assert all(curve[x] <= timed[x] + 1e-12 for x in xs) and curve[1] == 1.0 and curve[32] == 7.0
-    assert curve[24] > curve[16]  # a running maximum made 12..24 one flat price: tokens there looked free
-    assert convex_floor({1: 2.0, 2: 1.0, 6: 2.0}) == {1: 2.0, 2: 2.0, 6: 2.0}  # never cheaper for more tokens
-    # One token runs other kernels than several: the step to two is kept, not read as a slope (stories260K, us).
-    stepped = convex_floor({1: 632, 2: 700, 3: 749, 4: 847, 8: 814, 16: 945})
-    assert stepped[1] == 632 and stepped[2] == 700 and stepped[4] == pytest.approx(735)
+    # SmolLM2 at batch 1 (ms): 1 and 2 tokens run one kernel, 3 and 4 another; 16 tokens timed faster than 12
+    timed = {1: 38.0, 2: 38.5, 3: 52.0, 4: 50.0, 8: 55.0, 12: 70.0, 16: 66.0, 24: 80.0}
+    curve = rising_times(timed)
+    assert curve == {1: 38.0, 2: 38.5, 3: 52.0, 4: 52.0, 8: 55.0, 12: 70.0, 16: 70.0, 24: 80.0}
+    cost = StepCost(curve)
+    assert cost(3) - cost(2) == pytest.approx(13.5)  # the step to a third token is priced whole, not along a slope
+    assert cost(14) == pytest.approx(70.0) and cost(20) == pytest.approx(75.0)
 
 
 def test_the_step_cost_is_timed_within_a_short_context():
@@ -364,7 +361,7 @@ def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selecti
     assert est[1] == pytest.approx(0.8 * factor) and est[2] <= est[1]
 
 
-def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budgeted_share_of_steps():
+def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_its_budgeted_share_of_steps():
     from specgraft.infer.goodput import PROBE_SHARE
 
     ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # each token costs a forward: no depth pays
@@ -379,6 +376,10 @@ def test_a_row_that_does_not_draft_probes_one_level_verified_whole_at_its_budget
             assert ctl.probes == {0}
             chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
             assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # a probe is verified whole
+            # ... as the path to its likeliest deepest node, where the tree branches: a chain, unmasked alone
+            branching = tree_of([-1, 0, 0, 1, 2], logp=[0.0, *map(math.log, (0.3, 0.6, 0.15, 0.12))])
+            probe = ctl.select([Candidate(0, d, branching, True)])[0]
+            assert probe.tokens.tolist() == [0, 1, 3] and probe.is_chain
     # A level's price: goodput 1 token/s x (0.25 s + one more forward token, 1 s) = 1.25 tokens; probes spend 1%.
     every = math.ceil(1.25 / PROBE_SHARE)
     assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, 300, every))
@@ -639,3 +640,33 @@ def test_adaptive_rows_sampled_beside_fixed_ones_follow_their_own_distributions(
     for counter, prompt, (name, tree, temperature, filters) in zip(counts, prompts, settings):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"{name} {tree} T={temperature} {filters}: {result}"
+
+
+def test_a_steps_work_is_timed_from_its_start_to_the_next_steps_less_its_forward_and_drafting(stories, monkeypatch):
+    """The overhead fit sees each step's time up to the next step's start, less its forward and drafting: work
+    between steps (a server's streaming) counts; the step that timed the cost curve (seconds, once) does not, nor
+    a stretch over which rows joined or left."""
+    import specgraft.infer.scheduler as scheduler_module
+
+    measured = StepCost.measure
+
+    def slow_measure(target):  # timing the curve takes 50 ms
+        time.sleep(0.05)
+        return measured(target)
+
+    reports = []
+    monkeypatch.setattr(StepCost, "measure", staticmethod(slow_measure))
+    monkeypatch.setattr(scheduler_module, "OVERHEAD_CLIP", 1e9)
+    monkeypatch.setattr(GoodputController, "observe_overhead", lambda self, rows, drafted, s: reports.append(s))
+    _COSTS.pop(stories, None)
+    sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=2)
+    handles = [sched.submit(stories.encode("Once upon a time"), 12, drafter="guesses", tree=sg.Adaptive(),
+                            eos_token_id=()) for _ in range(2)]
+    steps = 0
+    while not sched.idle:
+        sched.step()
+        steps += 1
+        time.sleep(0.01)  # 10 ms between steps: the caller's work, part of every step's time
+    assert handles and reports
+    assert all(0.01 <= s < 0.04 for s in reports)  # the 10 ms counted, the 50 ms timing not
+    assert len(reports) < steps - 1  # not the step that timed, nor those over which a row left
