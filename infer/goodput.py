@@ -849,15 +849,10 @@ class GoodputController:
         tree = candidate.tree
         if tree.num_nodes == 1 or tree.is_chain:
             return replace(candidate, adaptive=False)
-        estimates, depth, parents = self.estimates(candidate), tree.depth.tolist(), tree.parents.tolist()
+        estimates, depth = self.estimates(candidate), tree.depth.tolist()
         deepest = max(depth)
         node = max((i for i in range(tree.num_nodes) if depth[i] == deepest), key=lambda i: estimates[i])
-        path = []
-        while node != ROOT_PARENT:
-            path.append(node)
-            node = parents[node]
-        return replace(candidate, tree=subtree(tree, torch.tensor(path[::-1], device=tree.tokens.device)),
-                       adaptive=False)
+        return replace(candidate, tree=subtree(tree, tree.path_to(node)), adaptive=False)
 
     # ------------------------------------------------------------------ 3. learn
 

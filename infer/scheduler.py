@@ -382,16 +382,14 @@ class Scheduler:
                 start, wall = time.thread_time(), time.perf_counter()
                 tree = self._isolated(request, events, lambda: request.draft.propose(
                     request.root, request.tree, max_depth, request.sampling))
-                self._draft_seconds += time.perf_counter() - wall
-                self._observe_draft(request.drafter, [request], [tree], start)
+                self._observe_draft(request.drafter, [request], [tree], start, wall)
                 if tree is not None:
                     trees[request.handle] = tree.to(self.target.device)
         for name, group in together.items():
             start, wall = time.thread_time(), time.perf_counter()
             drafted = self._draft_together(name, group, events)
-            self._draft_seconds += time.perf_counter() - wall
             trees.update(drafted)
-            self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()), start)
+            self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()), start, wall)
         return trees
 
     def _critical(self, live: list[Request]) -> int:
@@ -406,12 +404,17 @@ class Scheduler:
             return 0
         return max(r.rule.remaining() for r in live)
 
-    def _observe_draft(self, drafter: Drafter, rows: list[Request], trees: list[Tree | None], start: float) -> None:
+    def _observe_draft(
+        self, drafter: Drafter, rows: list[Request], trees: list[Tree | None], start: float, wall: float
+    ) -> None:
         """Tell the controller what drafting these trees for these rows cost (per row, level of the trees drafted
-        and token the rows were behind); the rows are caught up now.
+        and token the rows were behind); the rows are caught up now. ``start`` and ``wall``: this thread's CPU clock
+        and the wall clock when the drafting began.
 
-        Timed on this thread's CPU clock: a server's HTTP thread holding the GIL meanwhile is not the drafter's cost.
+        The drafter's cost is timed on this thread's CPU clock (a server's HTTP thread holding the GIL meanwhile is
+        not the drafter's cost); the step's drafting, which its overhead leaves out, on the wall clock.
         """
+        self._draft_seconds += time.perf_counter() - wall
         if self.controller is not None:
             levels = max((t.max_depth for t in trees if t is not None), default=0)
             behind = sum(r.behind for r in rows) / len(rows)
