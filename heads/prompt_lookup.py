@@ -34,7 +34,7 @@ class PromptLookup:
         self.num_tokens, self.max_matches = num_tokens, max_matches
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> PromptLookupState:
-        return PromptLookupState(self, prompt_ids.detach().flatten().tolist())
+        return PromptLookupState(self, prompt_ids)
 
 
 class PromptLookupState:
@@ -46,13 +46,14 @@ class PromptLookupState:
     stretch indexes the stretch then, in one go.
     """
 
-    def __init__(self, lookup: PromptLookup, history: list[int]) -> None:
+    def __init__(self, lookup: PromptLookup, prompt_ids: torch.Tensor) -> None:
         self.lookup = lookup
         self._history: list[int] = []
         # n-gram -> ends (index after its last token) of its occurrences in the history, oldest first.
         self.ends: dict[tuple[int, ...], list[int]] = {}
-        self.pending: list[torch.Tensor] = []  # committed tokens not indexed yet
-        self._extend(history)
+        # Tokens not indexed yet, the prompt's first: indexed when it first proposes (a 30-token prompt took 45 us,
+        # 16 rows 0.7 ms of a batch's first step, for rows that under load never draft).
+        self.pending: list[torch.Tensor] = [prompt_ids]
 
     @property
     def history(self) -> list[int]:

@@ -130,11 +130,10 @@ class StepCost:
     per_step: float = 0.0
     per_row: float = 0.0
     per_drafted: float = 0.0
-    # Decaying sums of that fit (see `OVERHEAD_MEMORY`; the layout of `plane`), and those of the steps since the last
-    # fit, folded in as one every `RESCALE_EVERY` steps (a step adds to plain floats: the fit costs nothing between).
+    # Decaying sums of that fit (see `OVERHEAD_MEMORY`; the layout of `plane`), and the steps since the last fit,
+    # (rows, drafted, seconds), folded in every `RESCALE_EVERY` steps (a step appends a tuple: it costs nothing more).
     moments: list[float] = field(default_factory=lambda: [0.0] * 9)
-    pending: list[float] = field(default_factory=lambda: [0.0] * 9)
-    steps: int = 0
+    recent: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
@@ -212,15 +211,17 @@ class StepCost:
         Steps all of one batch size cannot tell the work per step from the work per row: it is then put on the
         rows; steps where no row or every row verified a tree, the work of a tree from a row's: on the rows.
         """
-        r, d = float(rows), float(drafted)
-        for i, v in enumerate((1.0, r, d, seconds, r * r, r * d, d * d, r * seconds, d * seconds)):
-            self.pending[i] += v
-        self.steps += 1
-        if self.steps % RESCALE_EVERY:
+        recent = self.recent
+        recent.append((rows, drafted, seconds))
+        if len(recent) < RESCALE_EVERY:
             return
+        sums = [0.0] * 9
+        for r, d, y in recent:
+            for i, v in enumerate((1.0, r, d, y, r * r, r * d, d * d, r * y, d * y)):
+                sums[i] += v
+        recent.clear()
         decay = (1 - 1 / OVERHEAD_MEMORY) ** RESCALE_EVERY
-        self.moments = [decay * m + v for m, v in zip(self.moments, self.pending)]
-        self.pending = [0.0] * 9
+        self.moments = [decay * m + v for m, v in zip(self.moments, sums)]
         fit = plane(self.moments)
         if fit is None:
             return
@@ -244,7 +245,7 @@ class StepCost:
         """A step's forward over ``n`` tokens took ``seconds``; ``trees``: it paid for trees (a mask, or packed rows
         of more than one token; see `GoodputController.chains_unmasked`).
 
-        Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their mean observed / predicted (the
+        Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their median observed / predicted (the
         machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
         ``tree_ratio``; and ``tree_ratio`` moves toward their median observed / predicted without it (set outright by
         the first ones where it was not timed at start-up).
@@ -260,7 +261,9 @@ class StepCost:
             self.trees_seen = True
             self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
         ratio = self.tree_ratio if trees else 1.0
-        self.scale = (1 - EMA) * self.scale + EMA * sum(t / (p * ratio) for p, t in base) / len(base)
+        # The median, as for trees: the machine's load moves the scale, a forward preempted once does not (one such
+        # among eight moved their mean by an eighth of its delay, and plans were priced again every few dozen steps).
+        self.scale = (1 - EMA) * self.scale + EMA * statistics.median(t / (p * ratio) for p, t in base)
 
 
 def _tree_ratio(target: Target, cache: Any, cached: int) -> float:
@@ -644,12 +647,14 @@ class GoodputController:
         inputs = (batch, cost.price_point(), DrafterStats.changes)
         memo = self._memo
         if memo is not None and clock < memo[0] and memo[1] == inputs and memo[2] == rows:
-            self.probes = set()
-            return memo[3]
+            return memo[3]  # a plan is memoised only where nothing probed: ``probes`` is empty still
         depths: dict[int, int] = {}
         self.probes = set()
         due = math.inf  # the first step at which one of these rows needs planning again
         prices: dict[int, tuple | None] = {}  # id(drafter) -> its prices this step (None: its cost is unmeasured)
+        # (id(prices), max_depth) -> the plan of the rows with no counts of their own (their drafter's reach: one plan
+        # serves them all; 16 such rows planned one by one at every move of the prices cost 200 us a move)
+        fresh: dict[tuple[int, int], tuple] = {}
         for key, drafter, max_depth in rows:
             priced = prices.get(id(drafter), False)
             if priced is False or (priced is not None and len(priced[3]) < max_depth):
@@ -660,7 +665,14 @@ class GoodputController:
             row = states.get(key) or self.row(key)
             plan = row.plan
             if plan is None or plan[0] is not priced or plan[1] != max_depth:  # something moved: plan again
-                plan = row.plan = self._plan_row(row, drafter, priced, max_depth)
+                shared = (id(priced), max_depth) if not row.reach else None
+                plan = fresh.get(shared) if shared else None
+                if plan is None:
+                    plan = self._plan_row(row, drafter, priced, max_depth)
+                    if shared:
+                        fresh[shared] = plan
+                row.plan = plan
+                row.schedule(plan[2], max_depth, plan[3])
             depths[key] = plan[2]
             if clock >= row.wake:
                 self._wake(key, row, drafter, plan, depths)
@@ -684,7 +696,8 @@ class GoodputController:
         row.schedule(best, max_depth, every)
 
     def _plan_row(self, row: RowState, drafter: Any, priced: tuple, max_depth: int) -> tuple[Any, int, int, float]:
-        """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes)."""
+        """(prices, max_depth, the depth whose expected tokens less price is largest, steps between probes): read
+        off the row's reach and its drafter's statistics alone."""
         _, levels, per_token, prior = priced
         stats = self._stats(drafter)
         reach, rates = row.reach, stats.rates
@@ -698,7 +711,6 @@ class GoodputController:
             if net > best_net:
                 best, best_net = d, net
         every = (levels[best + 1] - levels[best] if best < max_depth else 0.0) / PROBE_SHARE
-        row.schedule(best, max_depth, every)
         return priced, max_depth, best, every
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:

@@ -170,8 +170,9 @@ def check_prompt(target: Target, prompt: Prompt) -> PromptIds:
         ids = list(prompt)
     if not ids:
         raise ValueError("prompt is empty: it has no tokens")
-    if not all(isinstance(i, int) and 0 <= i < target.vocab_size for i in ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {target.vocab_size})")
+    vocab = target.vocab_size  # once: a property that looks the model's output layer up (12 us a token, in a loop)
+    if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     return PromptIds(torch.tensor(ids, dtype=torch.long, device=target.device))
 
 

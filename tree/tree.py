@@ -80,8 +80,8 @@ class Tree:
             self.without_replacement, self.ancestor_mask().to(device),
         )
 
-    @property
-    def num_nodes(self) -> int:
+    @cached_property
+    def num_nodes(self) -> int:  # read a few times a row a step: once from the tensor's shape
         return self.tokens.shape[0]
 
     @property
