@@ -135,7 +135,7 @@ class FeatureDraftState:
         self.pending = []
         joined = {layer: torch.cat([h[layer] for h in hidden]).to(self.drafter.device) for layer in hidden[0]}
         self._features = torch.cat([self._features, self.drafter.head.draft_features(joined)])
-        self._next_tokens = torch.cat([self._next_tokens, *(t.flatten() for t in tokens)]).to(self.drafter.device)
+        self._next_tokens = torch.cat([self._next_tokens, *tokens]).to(self.drafter.device)  # each (K,): no reshapes
 
     def cache_tokens(self) -> int:
         return self.peak

@@ -558,9 +558,9 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
         commits = []
         original = sched._commit
 
-        def commit(request, tree, prefix, logits, hidden, events):
+        def commit(request, tree, prefix, logits, hidden, part, events):
             before = len(request.token_ids)
-            original(request, tree, prefix, logits, hidden, events)
+            original(request, tree, prefix, logits, hidden, part, events)
             commits.append((steps[0], len(request.token_ids) - before))
 
         sched._commit = commit
@@ -579,6 +579,57 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
         else:
             assert any(masked for rows, tokens, masked in forwards if tokens > rows)
         assert all(not masked for rows, tokens, masked in forwards if tokens == rows)
+
+
+class Recorder(Guesses):
+    """`Guesses` that keeps every commit it is given: (tokens, the target's last hidden state of each, path)."""
+
+    def __init__(self, layer: int) -> None:
+        self.hidden_layers, self.commits = (layer,), []
+
+    def commit(self, tokens, hidden, path=None):
+        self.commits.append((tokens.tolist(), hidden[self.hidden_layers[0]].clone(), path))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(stories, monkeypatch, batch):
+    """Its draft state gets the steps' tokens and target states in order, each once, joined in one commit before it
+    next proposes (or after `DEFERRED_COMMITS` of them); the commit of a step it drafted carries that step's path."""
+    from specgraft.infer import scheduler as scheduler_module
+
+    steps = [0]
+
+    def every_fifth(self, rows, batch):  # draft 1 level on every fifth step
+        steps[0] += 1
+        return {key: 1 if steps[0] % 5 == 0 else 0 for key, _, _ in rows}
+
+    monkeypatch.setattr(GoodputController, "plan", every_fifth)
+    monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
+    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
+    monkeypatch.setattr(scheduler_module, "DEFERRED_COMMITS", 3)
+    layer = stories.num_layers
+    recorders = [Recorder(layer) for _ in range(batch)]
+    sched = sg.Scheduler(stories, {f"r{i}": r for i, r in enumerate(recorders)}, max_batch_size=batch)
+    driver = Driver(sched)
+    prompts = [stories.encode(text) for text in ("Once upon a time, there was a little dog", "The sun was hot")]
+    handles = [sched.submit(prompts[i], 23, drafter=f"r{i}", tree=sg.Adaptive(), eos_token_id=()) for i in range(batch)]
+    driver.run(*handles)
+    for handle, recorder, prompt in zip(handles, recorders, prompts):  # rows of different texts: each its own states
+        generated = driver.result(handle).token_ids
+        committed = [t for tokens, _, _ in recorder.commits for t in tokens]
+        assert committed == generated[:len(committed)] and len(committed) >= len(generated) - 4  # in order, once
+        # the target's states at those positions, as one forward over the whole text computes them
+        ids = torch.tensor(prompt + generated)
+        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=(layer,))
+        states = torch.cat([h for _, h, _ in recorder.commits])
+        torch.testing.assert_close(states, out.hidden[layer][0, len(prompt) : len(prompt) + len(committed)],
+                                   rtol=1e-4, atol=1e-4)
+        sizes = [len(tokens) for tokens, _, _ in recorder.commits]
+        with_path = [path is not None for _, _, path in recorder.commits]
+        # between rounds: the four plain steps' roots, given as one commit of 3 (the cap) and one of 1 before the
+        # round; a drafted step's commit carries its path
+        assert with_path[:4] == [False, False, True, False] and sizes[:2] == [3, 1]
+        assert all(n <= 3 or path for n, path in zip(sizes, with_path))
 
 
 def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
