@@ -86,7 +86,9 @@ COST_PREFIX = 64  # cached tokens before the timed forwards
 COST_REPEATS = 4  # timed forwards per size at least; the fastest counts
 COST_SECONDS = 0.25  # ... and more, while the passes over the sizes took less than this (a fast target)
 COST_MAX_PASSES = 64
-RESCALE_EVERY = 8  # observed forwards per move of T(N)'s scale
+# Observed forwards per move of T(N)'s scale, and steps per refit of their work beyond the forward: a refit and the
+# plans it moves cost a row 8-10 us a step at 8 (stories260K, batch 1: 1.3% of a 680 us step), 1-2 us at 32.
+RESCALE_EVERY = 32
 # Steps over which the fit of a tree's scheduler work decays (by 1/e): rows that draft can be a few percent of the
 # steps, and a memory of 40 steps (EMA per fold) held a handful of them (stories260K, batch 1, prompt lookup: 205 us
 # fitted against 142 us between the drafted steps' mean and the others').
