@@ -63,7 +63,7 @@ class Request:
     behind: int = 0
     # Commits of the root alone not given to its draft state yet, (tokens, the step's hidden layer -> every row's
     # states, its row there): given as one when it next drafts (see `Scheduler._defer`).
-    deferred: list[tuple[torch.Tensor, dict[int, tuple[torch.Tensor, ...]], int]] = field(default_factory=list)
+    deferred: list[tuple[torch.Tensor, dict[int, Sequence[torch.Tensor]], int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` already sent in events
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -444,9 +444,10 @@ class Scheduler:
 
     def _verify(
         self, live: list[Request], trees: dict[int, Tree], prefixes: dict[int, int], events: list[Event]
-    ) -> dict[int, tuple[torch.Tensor, dict[int, tuple[torch.Tensor, ...]], int]]:
-        """Every live row's (logits (N_r, V), hidden layer -> each row's states (N_r, H), its part there) at its
-        tree's nodes: the states of every row of the forward, which a row takes its part of only when it must.
+    ) -> dict[int, tuple[torch.Tensor, dict[int, Sequence[torch.Tensor]], int]]:
+        """Every live row's (logits (N_r, V), hidden layer -> every row's states, its part there) at its tree's
+        nodes: the states of the forward's rows, indexed by part ((N_r, H) each; a tuple of them, or the (1, N, H)
+        output of a row alone), which a row takes its part of only when it must.
 
         One forward over all rows, packed; a single row runs on its own cache row (the same maths without
         the packing); Hugging Face's forward runs each row on its own cache.
@@ -460,7 +461,7 @@ class Scheduler:
                     mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
                     out = self.target.forward(tree.tokens[None], request.cache, tree_position_ids(tree, prefix), mask,
                                               hidden_layers=request.hidden_layers)
-                    return out.logits[0], {i: (h[0],) for i, h in out.hidden.items()}, 0
+                    return out.logits[0], out.hidden, 0  # (1, N, H) each: [0] is the row's, when it is asked for
 
                 self.counters.verify_forwards += 1
                 start = time.perf_counter()
@@ -491,7 +492,7 @@ class Scheduler:
 
     def _commit(
         self, request: Request, tree: Tree, prefix: int, logits: torch.Tensor,
-        hidden: dict[int, tuple[torch.Tensor, ...]], part: int, events: list[Event],
+        hidden: dict[int, Sequence[torch.Tensor]], part: int, events: list[Event],
     ) -> None:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens.
         ``hidden``: the forward's states, each row's apart; this row's are its ``part``."""
@@ -524,7 +525,7 @@ class Scheduler:
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
         self._emit(request, kept, events)
 
-    def _defer(self, request: Request, tokens: torch.Tensor, hidden: dict[int, tuple[torch.Tensor, ...]], part: int) -> None:
+    def _defer(self, request: Request, tokens: torch.Tensor, hidden: dict[int, Sequence[torch.Tensor]], part: int) -> None:
         """Keep a commit of the root alone for the row's draft state to take, with the others, when it next drafts.
 
         A row that does not draft (its tree sized to nothing under load, most rows most steps) would otherwise pay
