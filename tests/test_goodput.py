@@ -92,6 +92,23 @@ def test_a_steps_work_beyond_its_forward_prices_trees_in_selection_and_plans():
     assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}
 
 
+def test_rows_with_no_counts_of_their_own_share_the_plan_each_would_get_alone():
+    """Fresh rows are planned once for all (their drafter's reach); a row with counts of its own is planned apart."""
+    d = Drafter()
+    stats = GoodputController.stats(d)
+    stats.reach = [0.9, 0.8, 0.7]
+    for _ in range(4):
+        stats.observe_cost(1, 0.0)  # drafting is free: deep trees pay while the reach is high
+    cost = {1: 1.0, 4: 1.0, 8: 1.4}  # at batch 4 each level a row drafts costs 0.4 tokens
+    ctl = controller(cost)
+    for _ in range(8):  # row 3 missed at every depth, eight times
+        ctl.row(3).observe(0, 3, stats, ctl.clock)
+    together = ctl.plan([(k, d, 3) for k in range(4)], batch=4)
+    alone = [controller(cost).plan([(k, d, 3)], batch=4)[k] for k in range(3)]
+    assert [together[k] for k in range(3)] == alone and alone[0] > 0
+    assert together[3] == 0  # its own misses: no level pays
+
+
 def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
     cost = StepCost({1: 1.0, 64: 1.0})  # a flat curve: 1 s at any size
     assert cost.tree_penalty(16) == 0.0  # no forward with a tree seen: no penalty
@@ -526,19 +543,26 @@ class Guesses:
         return tree_of(list(range(-1, max_depth)), tokens=[root_token] + [7] * max_depth)
 
 
+def draft_every(monkeypatch, period: int, levels: int) -> list[int]:
+    """Plans that draft ``levels`` levels on every ``period``-th step and nothing between, verified whole; returns
+    the step counter (its [0]: steps planned so far)."""
+    steps = [0]
+
+    def plan(self, rows, batch):
+        steps[0] += 1
+        return {key: levels if steps[0] % period == 0 else 0 for key, _, _ in rows}
+
+    monkeypatch.setattr(GoodputController, "plan", plan)
+    monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
+    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
+    return steps
+
+
 def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, monkeypatch):
     """A draft round is timed with the tokens its rows were behind (the prompt, then every commit since their last
     round); a forward is reported masked only when it paid for trees: a chain alone runs causal, a batch packed
     with a tree pays."""
-    steps, rounds, forwards = [0], [], []
-
-    def every_third(self, rows, batch):  # draft 2 levels on every third step
-        steps[0] += 1
-        return {key: 2 if steps[0] % 3 == 0 else 0 for key, _, _ in rows}
-
-    monkeypatch.setattr(GoodputController, "plan", every_third)
-    monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
-    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
+    steps, rounds, forwards = draft_every(monkeypatch, 3, levels=2), [], []
     monkeypatch.setattr(GoodputController, "observe_draft",
                         lambda self, d, rows, levels, s, behind: rounds.append((steps[0], behind)))
     verified = sg.Scheduler._verify
@@ -597,15 +621,7 @@ def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(
     next proposes (or after `DEFERRED_COMMITS` of them); the commit of a step it drafted carries that step's path."""
     from specgraft.infer import scheduler as scheduler_module
 
-    steps = [0]
-
-    def every_fifth(self, rows, batch):  # draft 1 level on every fifth step
-        steps[0] += 1
-        return {key: 1 if steps[0] % 5 == 0 else 0 for key, _, _ in rows}
-
-    monkeypatch.setattr(GoodputController, "plan", every_fifth)
-    monkeypatch.setattr(GoodputController, "select", lambda self, candidates: {c.key: c.tree for c in candidates})
-    monkeypatch.setattr(GoodputController, "step_cost", lambda self: StepCost({1: 1.0}))
+    draft_every(monkeypatch, 5, levels=1)
     monkeypatch.setattr(scheduler_module, "DEFERRED_COMMITS", 3)
     layer = stories.num_layers
     recorders = [Recorder(layer) for _ in range(batch)]
