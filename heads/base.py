@@ -52,7 +52,11 @@ class DraftState(Protocol):
 
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         """Accepted path tokens (K,), root first; hidden: layer -> (K, H); path: (K,) their node indices in
-        the tree this state proposed this step, or None when the tree verified was not its proposal."""
+        the tree this state proposed this step, or None when the tree verified was not its proposal.
+
+        Commits without a path may come joined, one for several steps (their tokens and states concatenated, in
+        order; the engine keeps those of a row that does not draft until it next does): a state treats a run of
+        them as one commit of them all."""
 
     def cache_tokens(self) -> int:
         """Most KV positions held since the last commit, a proposal's draft tree included (0: no cache)."""
