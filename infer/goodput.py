@@ -217,10 +217,7 @@ class StepCost:
         recent.append((rows, drafted, seconds))
         if len(recent) < RESCALE_EVERY:
             return
-        sums = [0.0] * 9
-        for r, d, y in recent:
-            for i, v in enumerate((1.0, r, d, y, r * r, r * d, d * d, r * y, d * y)):
-                sums[i] += v
+        sums = [sum(terms) for terms in zip(*(plane_terms(r, d, y) for r, d, y in recent))]
         recent.clear()
         decay = (1 - 1 / OVERHEAD_MEMORY) ** RESCALE_EVERY
         self.moments = [decay * m + v for m, v in zip(self.moments, sums)]
@@ -320,6 +317,11 @@ def rising_times(points: dict[int, float]) -> dict[int, float]:
     return out
 
 
+def plane_terms(x: float, z: float, y: float) -> tuple[float, ...]:
+    """One observation's terms in `plane`'s layout, (1, x, z, y, xx, xz, zz, xy, zy): what its sums add."""
+    return 1.0, x, z, y, x * x, x * z, z * z, x * y, z * y
+
+
 def plane(moments: list[float]) -> tuple[tuple[float, float, float], tuple[float, float, float],
                                          tuple[float, float]] | None:
     """Means (x, z, y), variances (xx, xz, zz) and covariances (xy, zy) of weighted sums laid out as
@@ -406,9 +408,9 @@ class DrafterStats:
     def observe_cost(self, levels: int, seconds_per_row: float, behind: float = 0.0) -> None:
         """A round drafted ``levels`` deep for rows that had ``behind`` committed tokens (a mean) not yet drafted
         from (a drafter with a cache runs them first) and took ``seconds_per_row``."""
-        x, z, y = float(levels), float(behind), seconds_per_row
         keep = 1 - 1 / DRAFT_MEMORY
-        self.moments = [keep * m + v for m, v in zip(self.moments, (1.0, x, z, y, x * x, x * z, z * z, x * y, z * y))]
+        terms = plane_terms(float(levels), float(behind), seconds_per_row)
+        self.moments = [keep * m + v for m, v in zip(self.moments, terms)]
         self.observed()
 
     def cost_of(self, levels: int, behind: float = 0.0) -> float:
@@ -864,8 +866,7 @@ class GoodputController:
         if tree.num_nodes == 1 or tree.is_chain:
             return replace(candidate, adaptive=False)
         estimates, depth = self.estimates(candidate), tree.depth.tolist()
-        deepest = max(depth)
-        node = max((i for i in range(tree.num_nodes) if depth[i] == deepest), key=lambda i: estimates[i])
+        node = max((i for i in range(tree.num_nodes) if depth[i] == tree.max_depth), key=lambda i: estimates[i])
         return replace(candidate, tree=subtree(tree, tree.path_to(node)), adaptive=False)
 
     # ------------------------------------------------------------------ 3. learn
