@@ -74,6 +74,26 @@ def test_generate_batch_equals_each_prompt_alone(stories, prompts, kind):
         assert out.stats.accept_length_histogram == alone.stats.accept_length_histogram
 
 
+def test_calls_reuse_one_scheduler_and_leave_nothing_behind_when_interrupted(stories, prompts):
+    """A generator keeps its last call's scheduler (pools, controller) while it is big enough; a call that raised
+    or a stream dropped midway leaves no row taken and no request queued for the next call."""
+    gen = sg.SpeculativeGenerator(stories, sg.PromptLookup(), tree=sg.Adaptive())
+    reference = [o.token_ids for o in gen.generate_batch(prompts[:3], max_new_tokens=12)]
+    sched = gen._spare
+    assert [o.token_ids for o in gen.generate_batch(prompts[:2], max_new_tokens=12)] == reference[:2]
+    assert gen._spare is sched
+    with pytest.raises(ValueError, match="temperature"):  # the second request is refused, the first was queued
+        gen.generate_batch(prompts[:3], max_new_tokens=12, temperature=[0.0, -1.0, 0.0])
+    assert gen._spare is sched and sched.idle
+    stream = gen.stream(prompts[0], max_new_tokens=12)
+    next(stream)
+    stream.close()  # dropped after its first step: its rows are freed
+    assert gen._spare is sched and sched.idle and sched.pool.lengths(3) == [0, 0, 0]
+    assert [o.token_ids for o in gen.generate_batch(prompts[:3], max_new_tokens=12)] == reference
+    gen.generate_batch(prompts[:4], max_new_tokens=4)  # more rows than it has: a new one
+    assert gen._spare is not sched and gen._spare.max_batch_size == 4
+
+
 def test_generate_batch_samples_each_row_with_its_own_options(stories, prompts):
     gen = make(stories, "self_tree")
     temperatures, seeds = [0.0, 0.7, 1.0, 1.3], [1, 2, 3, 4]
