@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraft.tree import ROOT_PARENT, Tree, tree_attention_mask, tree_position_ids
+from specgraft.tree.tree import ANCESTOR_BITS
 
 # Hand-drawn trees. Node tokens are 10 + index so tokens and indices never coincide.
 #
@@ -294,6 +295,21 @@ def naive_leaves(tree: Tree) -> list[int]:
 @given(random_trees())
 def test_every_node_sees_exactly_its_ancestors_and_itself(tree):
     n = tree.num_nodes
+    expected = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        expected[i, naive_ancestors(tree, i)] = True
+    assert torch.equal(tree.ancestor_mask(), expected)
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.data())
+def test_ancestor_masks_are_exact_on_both_sides_of_the_bit_width(data):
+    """Trees of up to `ANCESTOR_BITS` nodes derive the mask from one int64 a node, larger ones by matrix products:
+    both give exactly each node's ancestors, the chain filling every bit included."""
+    n = data.draw(st.integers(min_value=ANCESTOR_BITS - 2, max_value=ANCESTOR_BITS + 2))
+    chain = data.draw(st.booleans())
+    parents = [ROOT_PARENT] + [i - 1 if chain else data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tree = make_tree(parents, [0] * n)
     expected = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
         expected[i, naive_ancestors(tree, i)] = True

@@ -21,8 +21,9 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
     """(1, 1, N, prefix_len + N) additive mask for a forward over all tree nodes."""
     n = tree.num_nodes
-    prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=tree.tokens.device)
-    return additive_mask(torch.cat([prefix, tree.ancestor_mask()], dim=1), dtype)
+    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=tree.tokens.device)  # the prefix: all visible
+    mask[0, 0, :, prefix_len:].masked_fill_(~tree.ancestor_mask(), torch.finfo(dtype).min)
+    return mask
 
 
 def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
