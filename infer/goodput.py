@@ -140,6 +140,7 @@ class StepCost:
     def __post_init__(self) -> None:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
+        self._base: dict[int, float] = {}  # n -> T(n) at scale 1, as read off the points (selection asks per node)
         self._priced_at = self._checked = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
 
     def price_point(self) -> tuple[float, ...]:
@@ -194,6 +195,13 @@ class StepCost:
         return cls(rising_times(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
+        base = self._base.get(n)
+        if base is None:
+            base = self._base[n] = self._unscaled(n)
+        return base * self.scale
+
+    def _unscaled(self, n: int) -> float:
+        """T(n) at scale 1: along the segment between the measured sizes about n, or the last one beyond them."""
         xs, ys = self._xs, self._ys
         if n <= xs[0]:
             base = ys[0]
@@ -203,7 +211,7 @@ class StepCost:
         else:
             i = bisect.bisect_left(xs, n)  # xs[i - 1] < n <= xs[i]
             base = ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return base * self.scale
+        return base
 
     def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
         """A step over ``rows`` rows, ``drafted`` of which verified a tree, took ``seconds`` beyond its forward and its
@@ -770,7 +778,7 @@ class GoodputController:
         if tree.num_nodes == 1:
             return [1.0], None
         stats = self._stats(candidate.drafter)
-        depth, parents = tree.depth.tolist(), tree.parents.tolist()
+        depth, parents = tree.depth_list, tree.parent_list
         scores = tree.scores.tolist()
         out = [1.0] * tree.num_nodes
         if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
@@ -782,10 +790,11 @@ class GoodputController:
         at_depth: dict[int, int] = {}
         for d in depth[1:]:
             at_depth[d] = at_depth.get(d, 0) + 1
-        raw = [1.0] * tree.num_nodes
+        shared = {d: row.reach_at(d, stats) / k for d, k in at_depth.items()}  # a depth's raw rate, each of its nodes
+        factors = {d: stats.rates.factor(d) for d in at_depth}
+        raw = [1.0] + [shared[d] for d in depth[1:]]
         for i in range(1, tree.num_nodes):
-            raw[i] = row.reach_at(depth[i], stats) / at_depth[depth[i]]
-            out[i] = min(out[parents[i]], 1.0, raw[i] * stats.rates.factor(depth[i]))
+            out[i] = min(out[parents[i]], 1.0, raw[i] * factors[depth[i]])
         return out, raw
 
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
@@ -809,12 +818,12 @@ class GoodputController:
             estimates[r] = est
             if rate is not None:
                 rates[r] = rate
-                self._stats(c.drafter).observe_split(c.tree.depth.tolist())
+                self._stats(c.drafter).observe_split(c.tree.depth_list)
             if not c.adaptive:
                 tokens += c.tree.num_draft_tokens
                 expected += sum(est[1:])
                 continue
-            depth = c.tree.depth.tolist()
+            depth = c.tree.depth_list
             pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
         pool.sort()  # by estimate, parents before children on ties
         fixed = [c.tree for c in candidates if not c.adaptive and c.tree.num_nodes > 1]
@@ -855,7 +864,7 @@ class GoodputController:
             if len(kept) == c.tree.num_nodes:
                 trees[c.key] = c.tree
             else:
-                trees[c.key] = subtree(c.tree, torch.tensor(kept, device=c.tree.tokens.device))
+                trees[c.key] = subtree(c.tree, kept)
         return trees
 
     def _probe(self, candidate: Candidate) -> Candidate:
@@ -865,7 +874,7 @@ class GoodputController:
         tree = candidate.tree
         if tree.num_nodes == 1 or tree.is_chain:
             return replace(candidate, adaptive=False)
-        estimates, depth = self.estimates(candidate), tree.depth.tolist()
+        estimates, depth = self.estimates(candidate), tree.depth_list
         node = max((i for i in range(tree.num_nodes) if depth[i] == tree.max_depth), key=lambda i: estimates[i])
         return replace(candidate, tree=subtree(tree, tree.path_to(node)), adaptive=False)
 
@@ -889,7 +898,7 @@ class GoodputController:
             return
         stats, row = self._stats(drafter), self.row(key)
         on_path = set(accepted_path.tolist())
-        scores, depth = tree.scores.tolist(), tree.depth.tolist()
+        scores, depth = tree.scores.tolist(), tree.depth_list
         if any(scores[1:]):
             for i in range(1, tree.num_nodes):
                 stats.observe(depth[i], math.exp(scores[i]), i in on_path)

@@ -12,6 +12,7 @@ Children are chosen top-k (point masses when sampling), as in EAGLE-2.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -65,25 +66,29 @@ def rerank(tree: Tree, budget: int) -> Tree:
     return subtree(tree, keep)
 
 
-def subtree(tree: Tree, keep: torch.Tensor) -> Tree:
+def subtree(tree: Tree, keep: torch.Tensor | Sequence[int]) -> Tree:
     """The nodes ``keep`` (sorted, root included, closed under parents) re-indexed parents-first.
 
     Read and re-indexed in Python, made as one tensor: a few dozen ints, where a chain of small tensor ops took
     35 us a tree (the goodput controller cuts trees every step).
     """
-    kept, parents = keep.tolist(), tree.parents.tolist()
+    kept = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+    parents = tree.parent_list
     new_index = {old: new for new, old in enumerate(kept)}
     remapped = [ROOT_PARENT if parents[i] < 0 else new_index.get(parents[i], -2) for i in kept]
     if -2 in remapped:
         raise ValueError("subtree: a kept node's parent was dropped")
-    tokens, depth = tree.tokens.tolist(), tree.depth.tolist()
-    tokens_, parents_, depth_ = torch.tensor([[tokens[i] for i in kept], remapped, [depth[i] for i in kept]],
-                                             dtype=tree.tokens.dtype, device=tree.tokens.device)
-    return Tree(
+    tokens, depth = tree.tokens.tolist(), tree.depth_list
+    depth_ = [depth[i] for i in kept]
+    tokens_, parents_, depth_t = torch.tensor([[tokens[i] for i in kept], remapped, depth_],
+                                              dtype=tree.tokens.dtype, device=tree.tokens.device).unbind()
+    cut = Tree(
         tokens=tokens_,
         parents=parents_,
-        depth=depth_,
-        scores=tree.scores[keep],
-        q=None if tree.q is None else tree.q[keep],
+        depth=depth_t,
+        scores=tree.scores[kept],
+        q=None if tree.q is None else tree.q[kept],
         without_replacement=tree.without_replacement,
     )
+    cut.__dict__["depth_list"] = depth_  # read off the lists at hand (see `Tree.depth_list`)
+    return cut

@@ -58,7 +58,7 @@ class Tree:
             if self.ancestors.shape != (n, n):
                 raise ValueError(f"Tree.ancestors has shape {tuple(self.ancestors.shape)}, expected ({n}, {n})")
             return  # a builder's tree: checking the structure per level would cost more than the step's forward
-        parents = self.parents.tolist()  # a few dozen ints: checked in Python faster than by tensor ops
+        parents = self.parent_list  # a few dozen ints: checked in Python faster than by tensor ops
         if n == 0 or parents[0] != ROOT_PARENT:
             raise ValueError("Tree needs a root at node 0 with parent -1")
         if any(p >= i for i, p in enumerate(parents)):
@@ -93,8 +93,19 @@ class Tree:
         return self.num_nodes - 1
 
     @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as a list, read once: the controller, selection and cuts walk a tree's structure in Python
+        (a few dozen ints), where each read of a tensor costs microseconds."""
+        return self.parents.tolist()
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        """``depth`` as a list, read once (see `parent_list`)."""
+        return self.depth.tolist()
+
+    @cached_property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return max(self.depth_list)
 
     @cached_property
     def is_chain(self) -> bool:
@@ -107,7 +118,7 @@ class Tree:
 
     @cached_property
     def _derived_ancestors(self) -> torch.Tensor:
-        parents, device = self.parents.tolist(), self.tokens.device
+        parents, device = self.parent_list, self.tokens.device
         n = len(parents)
         if n <= ANCESTOR_BITS:  # each node's ancestors as the bits of one int, read off its parent's: one tensor op
             bits = [0] * n
