@@ -92,6 +92,11 @@ def test_calls_reuse_one_scheduler_and_leave_nothing_behind_when_interrupted(sto
     assert [o.token_ids for o in gen.generate_batch(prompts[:3], max_new_tokens=12)] == reference
     gen.generate_batch(prompts[:4], max_new_tokens=4)  # more rows than it has: a new one
     assert gen._spare is not sched and gen._spare.max_batch_size == 4
+    gen.reserve(6, 10**9)  # allocated now, its slots capped at the target's context, and the next call runs on it
+    reserved = gen._spare
+    assert reserved.max_batch_size == 6 and reserved.max_len == stories.max_context
+    assert [o.token_ids for o in gen.generate_batch(prompts[:3], max_new_tokens=12)] == reference
+    assert gen._spare is reserved
 
 
 def test_generate_batch_samples_each_row_with_its_own_options(stories, prompts):

@@ -9,7 +9,8 @@ nearly free, at large batch the forward is compute-bound and every rejected
 node costs real work. This sweep shows where it stops paying. For each batch
 size the prompts are cut into groups of B; each group runs every method in
 turn (the order rotates from group to group), greedy, so every method must
-give plain decoding's tokens. ``rounds`` passes over the groups (the
+give plain decoding's tokens. Each method's scheduler for a batch size is
+allocated before that size is timed, and kept (a KV pool is zeroed once). ``rounds`` passes over the groups (the
 rotation carries on) pool more time per cell where the machine's load moves.
 
 Per-request figures come from each row's `GenerationStats` (TTFT counts from
@@ -61,6 +62,8 @@ def run_batch_sweep(
     rows, mismatches = [], []
     for b in batch_sizes:
         groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)] * rounds
+        for _, gen in gens:  # each method's memory for this size, allocated before any timing (see `reserve`)
+            gen.reserve(b, max(len(p) for p in prompts) + max_new_tokens)
         runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
         for index, group in enumerate(tqdm(groups, desc=f"batch {b}", unit="group", disable=not progress)):
             for k in range(len(gens)):
