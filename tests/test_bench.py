@@ -507,9 +507,20 @@ def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(sto
     assert all(set(p) == {"depth", "nodes", "estimated", "observed"} for c in printed["calibration"].values() for p in c)
     plain = [r for r in printed["rows"] if r["method"] == "plain"]
     assert all(r["mean_accepted_length"] == 1.0 and r["total_tokens_per_s"] > 0 for r in plain)
+    assert all(r["paired_vs_plain_p25"] == r["paired_vs_plain_p50"] == r["paired_vs_plain_p75"] == 1.0 for r in plain)
     assert (tmp_path / "out" / "throughput_vs_batch_size.png").is_file()
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "| plain |" in markdown and "| self adaptive |" in markdown and "Against plain decoding" in markdown
+    assert "Paired against plain decoding" in markdown
+
+
+def test_paired_ratios_are_plains_wall_over_the_methods_group_by_group():
+    """A burst that slows one group's run of a method moves its total, not the median of its pairs."""
+    from specgraft.tools.bench_batch import paired
+
+    reference = [([], 1.0), ([], 2.0), ([], 3.0), ([], 1.0), ([], 1.0)]
+    method = [([], 2.0), ([], 2.0), ([], 6.0), ([], 10.0), ([], 1.25)]  # ratios 0.5, 1, 0.5, 0.1, 0.8
+    assert paired(method, reference) == {"paired_vs_plain_p25": 0.5, "paired_vs_plain_p50": 0.5, "paired_vs_plain_p75": 0.8}
 
 
 def test_batch_size_rounds_pass_over_the_groups_again_and_pool_them(stories, prompts_file, tmp_path, capsys):

@@ -15,7 +15,10 @@ rotation carries on) pool more time per cell where the machine's load moves.
 
 Per-request figures come from each row's `GenerationStats` (TTFT counts from
 the batch's submission, ITL shares each step's time among its tokens); total
-tokens/s is all new tokens of a group over the group's wall time.
+tokens/s is all new tokens of a group over the group's wall time. Beside it,
+each method's paired ratio: plain's wall time over the method's, group by
+group, as a median and quartiles (a burst of load that slows a few runs
+moves a total by all of it, a median of pairs hardly).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def run_batch_sweep(
         for name, method_runs in runs.items():
             for (outs, _), (ref, _) in zip(method_runs, reference):
                 mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
-            rows.append(_summary(name, b, method_runs))
+            rows.append({**_summary(name, b, method_runs), **paired(method_runs, reference)})
     return {
         "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                      "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
@@ -110,6 +113,15 @@ def _summary(name: str, batch_size: int, runs: Sequence[tuple[list, float]]) -> 
         "itl_p50_s": percentile(itl50, 0.5), "itl_p99_s": percentile(itl99, 0.99),
         "mean_accepted_length": sum(s.mean_accepted_length * s.target_calls for s in stats) / calls if calls else 0.0,
     }
+
+
+def paired(runs: Sequence[tuple[list, float]], reference: Sequence[tuple[list, float]]) -> dict[str, float]:
+    """Plain decoding's wall time over the method's, group by group (each group ran every method back to back, and
+    greedy with fixed budgets, the same tokens): its median and quartiles. A burst of load on the machine slows the
+    runs it falls on, and moves a total by all of that but a median of pairs hardly."""
+    ratios = sorted(ref / wall for (_, wall), (_, ref) in zip(runs, reference) if wall > 0)
+    return {"paired_vs_plain_p25": percentile(ratios, 0.25), "paired_vs_plain_p50": percentile(ratios, 0.5),
+            "paired_vs_plain_p75": percentile(ratios, 0.75)}
 
 
 def crossover(rows: Sequence[Mapping[str, Any]]) -> int | None:
@@ -152,6 +164,13 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
     for m in methods[1:]:
         lines.append(f"| {m} | " + " | ".join(
             f"{cell[m, b]['total_tokens_per_s'] / max(cell[plain, b]['total_tokens_per_s'], 1e-9):.2f}x" for b in sizes) + " |")
+    lines += ["", "Paired against plain decoding: plain's wall time over the method's, group by group (each group ran "
+              "every method back to back), the median and quartiles over the groups:", "",
+              "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in methods[1:]:
+        lines.append(f"| {m} | " + " | ".join(
+            f"{cell[m, b]['paired_vs_plain_p50']:.3f}x ({cell[m, b]['paired_vs_plain_p25']:.3f}-"
+            f"{cell[m, b]['paired_vs_plain_p75']:.3f})" for b in sizes) + " |")
     lines.append("")
     for name, curve in results.get("calibration", {}).items():
         if curve:
