@@ -667,6 +667,24 @@ def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained
     torch.testing.assert_close(a.scores, b.scores)
 
 
+def test_a_state_computes_its_prompts_features_when_a_round_first_reads_them(stories, trained_eagle, monkeypatch):
+    """A row the engine never lets draft never runs its head's feature map over its prompt (EAGLE-3: a layer over
+    three taps of every prompt token); its first round maps the prompt and the commits since in one call."""
+    eagle = sg.load_drafter(trained_eagle, stories)
+    mapped: list[int] = []
+    real = eagle.head.draft_features
+    monkeypatch.setattr(eagle.head, "draft_features", lambda hidden: mapped.append(len(next(iter(hidden.values()))))
+                        or real(hidden))
+    ids = torch.tensor(stories.encode("Once upon a time, there was a little dog"))
+    out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=eagle.hidden_layers)
+    hidden = {i: h[0] for i, h in out.hidden.items()}
+    state = eagle.start(ids[:6], {i: h[:6] for i, h in hidden.items()})
+    state.commit(ids[6:8], {i: h[6:8] for i, h in hidden.items()})
+    assert mapped == []
+    state.propose(int(ids[8]), sg.Chain(2), 2)
+    assert mapped[0] == 8  # the prompt's 6 and the 2 committed, in one call
+
+
 def test_adaptive_rows_sampled_beside_fixed_ones_follow_their_own_distributions(small_vocab_pair, monkeypatch):  # noqa: F811
     """Adaptive trees (point masses, cut by the controller) among sampled chains, each row its own temperature."""
     from specgraft.tools.exactness import fit
