@@ -761,3 +761,30 @@ def test_a_steps_work_is_timed_from_its_start_to_the_next_steps_less_its_forward
     assert handles and reports
     assert all(0.01 <= s < 0.04 for s in reports)  # the 10 ms counted, the 50 ms timing not
     assert len(reports) < steps - 1  # not the step that timed, nor those over which a row left
+
+
+class WaitingGuesses(Guesses):
+    """`Guesses` that wait 20 ms for the interpreter (as while a server's HTTP thread holds it) before proposing."""
+
+    def propose(self, root_token, policy, max_depth, sampling=None):
+        time.sleep(0.02)
+        return super().propose(root_token, policy, max_depth, sampling)
+
+
+def test_waits_while_drafting_are_the_drafted_steps_work_not_the_drafters_cost(stories, monkeypatch):
+    """A drafter is priced on this thread's CPU clock, and so is the drafting a step's overhead leaves out: time it
+    spent waiting (a server's streaming holding the interpreter) is the work of the steps that drafted."""
+    draft_every(monkeypatch, period=2, levels=2)
+    costs, overheads = [], []
+    monkeypatch.setattr(GoodputController, "observe_draft", lambda self, drafter, rows, levels, s, behind=0.0: costs.append(s))
+    monkeypatch.setattr(GoodputController, "observe_overhead",
+                        lambda self, rows, drafted, s: overheads.append((drafted, s)))
+    monkeypatch.setattr("specgraft.infer.scheduler.OVERHEAD_CLIP", 1e9)
+    sched = sg.Scheduler(stories, {"waits": WaitingGuesses()}, max_batch_size=1)
+    sched.submit(stories.encode("Once upon a time"), 12, drafter="waits", tree=sg.Adaptive(), eos_token_id=())
+    sched.controller.cost = StepCost({1: 1.0})  # timed: steps are observed
+    while not sched.idle:
+        sched.step()
+    assert costs and all(s < 0.01 for s in costs)  # the 20 ms waits are not the drafter's cost ...
+    assert any(d for d, _ in overheads) and all(s >= 0.02 for d, s in overheads if d)  # ... but its steps' work
+    assert all(s < 0.02 for d, s in overheads if not d)
