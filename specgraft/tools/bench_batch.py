@@ -10,8 +10,9 @@ node costs real work. This sweep shows where it stops paying. For each batch
 size the prompts are cut into groups of B; each group runs every method in
 turn (the order rotates from group to group), greedy, so every method must
 give plain decoding's tokens. Each method's scheduler for a batch size is
-allocated before that size is timed, and kept (a KV pool is zeroed once). ``rounds`` passes over the groups (the
-rotation carries on) pool more time per cell where the machine's load moves.
+allocated before that size is timed, and kept (a KV pool is zeroed once).
+``rounds`` passes over the groups (the rotation carries on) pool more time
+per cell where the machine's load moves.
 
 Per-request figures come from each row's `GenerationStats` (TTFT counts from
 the batch's submission, ITL shares each step's time among its tokens); total
