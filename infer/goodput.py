@@ -880,17 +880,20 @@ class GoodputController:
 
     # ------------------------------------------------------------------ 3. learn
 
-    def observe_forward(self, tokens: int, seconds: float, masked: bool = False) -> None:
-        """A step's target forward over ``tokens`` packed tokens took ``seconds``; ``masked``: it paid for trees (see
-        `chains_unmasked`)."""
-        if self.cost is not None:
-            self.cost.observe(tokens, seconds, trees=masked)
-
-    def observe_overhead(self, rows: int, drafted: int, seconds: float) -> None:
-        """A step over ``rows`` rows, ``drafted`` of which verified a tree, took ``seconds`` beyond its forward and its
-        drafting, from its start to the next step's (see `StepCost.observe_overhead`)."""
-        if self.cost is not None:
-            self.cost.observe_overhead(rows, drafted, seconds)
+    def observe_times(
+        self, tokens: int, forward: float, masked: bool, rows: int, drafted: int, overhead: float | None
+    ) -> None:
+        """A step's times, in one call (the scheduler's every step, where no row may draft: a call of a few less):
+        its target forward over ``tokens`` packed tokens took ``forward`` seconds (``tokens`` 0: no one forward),
+        ``masked`` if it paid for trees (see `chains_unmasked`); over ``rows`` rows, ``drafted`` of which verified a
+        tree, it took ``overhead`` seconds beyond its forward and its drafting, from its start to the next step's
+        (see `StepCost.observe_overhead`; None: not timed, a row joined or left)."""
+        cost = self.cost
+        if cost is not None:
+            if tokens:
+                cost.observe(tokens, forward, trees=masked)
+            if overhead is not None:
+                cost.observe_overhead(rows, drafted, overhead)
 
     def observe_step(self, key: int, drafter: Any, tree: Tree, accepted_path: torch.Tensor) -> None:
         """A verified tree and the path accepted from it: calibration by depth, and the row's and drafter's reach."""

@@ -157,10 +157,10 @@ class Scheduler:
         self._forward_masked = False  # that forward paid for trees (a mask; packed, rows leaving the one-token call)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
         self._draft_seconds = 0.0  # the last step's drafting on this thread's CPU clock, which the controller prices apart
-        # (start, rows, rows verifying a tree, its forward and drafting seconds, `_changes` then) of the last step, to
-        # time its work beyond them at the next step's start, if no row joined or left between (a prefill is no
-        # step's work).
-        self._last_step: tuple[float, int, int, float, int] | None = None
+        # (start, rows, rows verifying a tree, its forward and drafting seconds, `_changes` then, its forward's tokens,
+        # seconds and masking) of the last step, observed at the next step's start: its work beyond the forward and
+        # drafting is timed then, if no row joined or left between (a prefill is no step's work).
+        self._last_step: tuple[float, int, int, float, int, int, float, bool] | None = None
         self._changes = 0  # rows joined and left so far
         self._next_handle = 0
 
@@ -321,9 +321,10 @@ class Scheduler:
         """One speculative step for every live row: draft, one verification forward, per-row commits."""
         begun = time.perf_counter()
         last, self._last_step = self._last_step, None
-        if self.controller is not None and last is not None and last[4] == self._changes:
-            started, rows, drafted, busy, _ = last
-            self.controller.observe_overhead(rows, drafted, min(begun - started - busy, OVERHEAD_CLIP * busy))
+        if last is not None:  # the last step, timed now that its work beyond the forward and drafting is done
+            started, rows, drafted, busy, changes, tokens, forward, masked = last
+            overhead = min(begun - started - busy, OVERHEAD_CLIP * busy) if changes == self._changes else None
+            self.controller.observe_times(tokens, forward, masked, rows, drafted, overhead)
         self.counters.steps += 1
         for request in live:
             request.recorder.begin_step()
@@ -348,12 +349,11 @@ class Scheduler:
                 logits, hidden, part = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, part, events))
-        if self.controller is not None:
-            if self._forward_tokens:  # one forward (Hugging Face's, row by row, is not timed as one)
-                self.controller.observe_forward(self._forward_tokens, self._forward_seconds, self._forward_masked)
-            if timed:  # a step that timed the target's cost curve (seconds, once per target) is no step's work
-                self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
-                                   self._changes)
+        if timed:  # a step that timed the target's cost curve (seconds, once per target) is no step's work
+            # observed at the next step's start, in one call: its forward (where it was one: Hugging Face's, row by
+            # row, is not timed as one) and, if no row joined or left between, its work beyond
+            self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
+                               self._changes, self._forward_tokens, self._forward_seconds, self._forward_masked)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""

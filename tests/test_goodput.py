@@ -565,16 +565,8 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
     steps, rounds, forwards = draft_every(monkeypatch, 3, levels=2), [], []
     monkeypatch.setattr(GoodputController, "observe_draft",
                         lambda self, d, rows, levels, s, behind: rounds.append((steps[0], behind)))
-    verified = sg.Scheduler._verify
-
-    def verify(self, live, trees, prefixes, events):  # the rows of the step's forward
-        rows[0] = len(live)
-        return verified(self, live, trees, prefixes, events)
-
-    rows = [0]
-    monkeypatch.setattr(sg.Scheduler, "_verify", verify)
-    monkeypatch.setattr(GoodputController, "observe_forward",
-                        lambda self, tokens, seconds, masked: forwards.append((rows[0], tokens, masked)))
+    monkeypatch.setattr(GoodputController, "observe_times",  # at the next step's start, of the step before
+                        lambda self, tokens, seconds, masked, rows, drafted, overhead: forwards.append((rows, tokens, masked)))
     prompt = stories.encode("the cat sat on the mat and the cat sat on the mat and the cat sat on the")
     for batch in (1, 2):
         sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=batch)
@@ -590,6 +582,7 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
         sched._commit = commit
         steps[0], rounds[:], forwards[:] = 0, [], []
         handles = [sched.submit(prompt, 16, drafter="guesses", tree=sg.Adaptive(), eos_token_id=()) for _ in range(batch)]
+        sched.controller.cost = StepCost({1: 1.0})  # timed: steps are observed
         driver.run(*handles)
         if batch == 1:
             # every third step drafts but the last (a row with one token left drafts nothing, whatever is planned)
@@ -748,7 +741,8 @@ def test_a_steps_work_is_timed_from_its_start_to_the_next_steps_less_its_forward
     reports = []
     monkeypatch.setattr(StepCost, "measure", staticmethod(slow_measure))
     monkeypatch.setattr(scheduler_module, "OVERHEAD_CLIP", 1e9)
-    monkeypatch.setattr(GoodputController, "observe_overhead", lambda self, rows, drafted, s: reports.append(s))
+    monkeypatch.setattr(GoodputController, "observe_times",
+                        lambda self, tokens, f, masked, rows, drafted, s: s is None or reports.append(s))
     _COSTS.pop(stories, None)
     sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=2)
     handles = [sched.submit(stories.encode("Once upon a time"), 12, drafter="guesses", tree=sg.Adaptive(),
@@ -777,8 +771,8 @@ def test_waits_while_drafting_are_the_drafted_steps_work_not_the_drafters_cost(s
     draft_every(monkeypatch, period=2, levels=2)
     costs, overheads = [], []
     monkeypatch.setattr(GoodputController, "observe_draft", lambda self, drafter, rows, levels, s, behind=0.0: costs.append(s))
-    monkeypatch.setattr(GoodputController, "observe_overhead",
-                        lambda self, rows, drafted, s: overheads.append((drafted, s)))
+    monkeypatch.setattr(GoodputController, "observe_times",
+                        lambda self, tokens, f, masked, rows, drafted, s: s is None or overheads.append((drafted, s)))
     monkeypatch.setattr("specgraft.infer.scheduler.OVERHEAD_CLIP", 1e9)
     sched = sg.Scheduler(stories, {"waits": WaitingGuesses()}, max_batch_size=1)
     sched.submit(stories.encode("Once upon a time"), 12, drafter="waits", tree=sg.Adaptive(), eos_token_id=())

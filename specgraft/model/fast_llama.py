@@ -317,6 +317,20 @@ class FastLlama:
         self.rotary = rotary
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos, signed sin
         self.small_rows = SmallRowChoice()  # F.linear everywhere until `choose_small_rows`
+        self._taps: dict[tuple[int, ...], frozenset[int]] = {(): frozenset()}  # see `taps`
+
+    def taps(self, hidden_layers: tuple[int, ...]) -> frozenset[int]:
+        """The layer indices whose states ``hidden_layers`` (HF hidden_states indices, negative from the end) ask for,
+        checked once per tuple: a drafted row's every verification asks the same few (1-2 us a forward otherwise)."""
+        wanted = self._taps.get(hidden_layers)
+        if wanted is None:
+            count = self.num_layers + 1
+            if any(not -count <= i < count for i in hidden_layers):
+                raise IndexError(
+                    f"hidden_layers {tuple(hidden_layers)}: a {self.num_layers}-layer model has hidden states 0..{self.num_layers}"
+                )
+            wanted = self._taps[hidden_layers] = frozenset(i % count for i in hidden_layers)
+        return wanted
 
     def choose_small_rows(self, mode: str | None = None) -> SmallRowChoice:
         """Measure (or pin, see `small_row_choice`) which form each of this model's weight shapes runs at few rows."""
@@ -403,13 +417,8 @@ class FastLlama:
         layer i, num_layers the output of the final norm; negative ones count
         from the end as in HF's tuple.
         """
+        wanted = self.taps(hidden_layers)
         x = F.embedding(input_ids, self.embed)  # (B, T, H)
-        count = self.num_layers + 1
-        if any(not -count <= i < count for i in hidden_layers):
-            raise IndexError(
-                f"hidden_layers {tuple(hidden_layers)}: a {self.num_layers}-layer model has hidden states 0..{self.num_layers}"
-            )
-        wanted = {i % count for i in hidden_layers}
         states: dict[int, torch.Tensor] = {}
         x = self.run_layers(x, cache, position_ids, attention_mask, wanted, states)
         x = rms_norm(x, self.final_norm, self.eps)  # (B, T, H)
@@ -418,7 +427,7 @@ class FastLlama:
         if last_only:
             x = x[:, -1:]
         logits = self.linear(x, self.lm_head, self.lm_head_bias)  # (B, T or 1, V)
-        return logits, {i: states[i % count] for i in hidden_layers}
+        return logits, {i: states[i % (self.num_layers + 1)] for i in hidden_layers} if hidden_layers else {}
 
     def run_layers(
         self,
@@ -523,9 +532,8 @@ class FastLlama:
             segments: one per row, N tokens in all.
             hidden_layers: as in `forward`.
         """
+        wanted = self.taps(hidden_layers)
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
-        count = self.num_layers + 1
-        wanted = {i % count for i in hidden_layers}
         states: dict[int, torch.Tensor] = {}
         cos, sin = self._rope(x, position_ids[None])  # (1, N, 1, D)
         packed = PackedAttention(pool, segments, x.device)
@@ -541,7 +549,7 @@ class FastLlama:
         if self.num_layers in wanted:
             states[self.num_layers] = x[0]
         logits = self.linear(x, self.lm_head, self.lm_head_bias)[0]  # (N, V)
-        return logits, {i: states[i % count] for i in hidden_layers}
+        return logits, {i: states[i % (self.num_layers + 1)] for i in hidden_layers} if hidden_layers else {}
 
     def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """Layer's SiLU MLP on its (B, T, H) normed input -> (B, T, H); no residual is added."""
