@@ -88,6 +88,36 @@ def test_subtree_refuses_an_orphan():
         raise AssertionError("an orphaned node was kept")
 
 
+@settings(max_examples=60, deadline=None)
+@given(parents=st.lists(st.integers(0, 10_000), min_size=1, max_size=14), picks=st.lists(st.booleans(), min_size=15, max_size=15),
+       with_q=st.booleans(), prefix=st.integers(0, 15))
+def test_subtree_keeps_exactly_the_kept_nodes_reindexed(parents, picks, with_q, prefix):
+    """Any kept set closed under parents, the first nodes (a chain's cut, taken as views) as any other: tokens,
+    parents, depths, scores, q and ancestor masks are those of the kept nodes, re-indexed in order."""
+    parents = [-1] + [p % (i + 1) for i, p in enumerate(parents)]  # node i + 1's parent among 0..i
+    n = len(parents)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    tree = Tree(tokens=torch.arange(n) * 7 + 3, parents=torch.tensor(parents), depth=torch.tensor(depth),
+                scores=-torch.arange(n, dtype=torch.float32) / 3, q=torch.rand(n, 5) if with_q else None)
+    kept = list(range(min(prefix, n) or 1)) if prefix % 2 else [0]
+    if not prefix % 2:
+        for i in range(1, n):  # nodes whose parent is kept, as chosen
+            if picks[i] and parents[i] in kept:
+                kept.append(i)
+    for source in (tree, Tree(tree.tokens, tree.parents, tree.depth, tree.scores, tree.q, ancestors=tree.ancestor_mask())):
+        cut = subtree(source, kept)
+        index = {old: new for new, old in enumerate(kept)}
+        assert cut.tokens.tolist() == [int(tree.tokens[i]) for i in kept]
+        assert cut.parent_list == [-1] + [index[parents[i]] for i in kept[1:]]
+        assert cut.depth.tolist() == cut.depth_list == [depth[i] for i in kept]
+        assert cut.scores.tolist() == [float(tree.scores[i]) for i in kept]
+        assert cut.q is None if not with_q else torch.equal(cut.q, tree.q[kept])
+        rebuilt = Tree(cut.tokens.clone(), cut.parents.clone(), cut.depth.clone(), cut.scores.clone())
+        assert torch.equal(cut.ancestor_mask(), rebuilt.ancestor_mask())
+
+
 def test_parse_dynamic_spec():
     assert parse_tree_spec("dynamic:8,6,48") == DynamicTree(top_k=8, depth=6, budget=48)
 
