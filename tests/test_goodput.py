@@ -432,9 +432,50 @@ def test_the_calibration_curve_pairs_what_selection_expected_with_what_was_accep
         chain = tree_of([-1, 0, 1], logp=[0.0, math.log(0.8), math.log(0.4)])
         trees = ctl.select([Candidate(7, d, chain, True)])
         ctl.observe_step(7, d, trees[7], torch.tensor(accepted))
+    ctl.learn()  # three trees queued: fewer than a pass
     curve = ctl.stats(d).calibration_curve()
     assert [(p["depth"], p["nodes"], p["observed"]) for p in curve] == [(1, 3, 2 / 3), (2, 3, 1 / 3)]
     assert curve[0]["estimated"] == pytest.approx(0.8, abs=0.05) and curve[1]["estimated"] == pytest.approx(0.4, abs=0.05)
+
+
+def test_drafters_learn_a_pass_of_trees_at_a_time_rows_at_once_and_as_one_by_one_would(monkeypatch):
+    """A drafter learns from verified trees `LEARN_EVERY` at a time (or when a row leaves), with what selection
+    expected of each when it was selected, and its statistics end as learning tree by tree leaves them; a row's
+    own counts move at once (its next plan reads them)."""
+    import specgraft.infer.goodput as goodput
+
+    accepted = [[0, 1], [0], [0, 1, 2], [0, 1], [0], [0], [0, 1, 2]]
+
+    def run(every: int) -> tuple[GoodputController, Drafter, list[int], list[tuple[list[float], list[float]]]]:
+        monkeypatch.setattr(goodput, "LEARN_EVERY", every)
+        ctl, d, learned, counts = controller({1: 1.0, 64: 1.0}), Drafter(), [], []
+        lookup = tree_of([-1, 0, 1], tokens=[5, 6, 7])  # rates, no probabilities
+        chain = tree_of([-1, 0, 1], logp=[0.0, math.log(0.8), math.log(0.4)])
+        for step, path in enumerate(accepted):
+            for key, tree in ((7, chain), (8, lookup)):
+                # what selection expected of the nodes it kept (here as given, not read off learning as it went)
+                ctl.estimated[key] = [1.0, 0.7 - step / 20, 0.3]
+                if key == 8:
+                    ctl.rates[key] = [1.0, 0.9, 0.5 + step / 30]
+                ctl.observe_step(key, d, tree, torch.tensor(path))
+            learned.append(sum(p["nodes"] for p in ctl.stats(d).calibration_curve()))
+            counts.append((list(ctl.row(8).hits), list(ctl.row(8).seen)))  # the row's own: moved at once
+        ctl.forget(7)  # a row leaves: every tree queued is learned
+        assert not ctl.queued
+        return ctl, d, learned, counts
+
+    one, d1, learned1, counts1 = run(1)
+    four, d4, learned4, counts4 = run(4)
+    assert counts4 == counts1 and counts1[0] == ([1.0, 0.0], [1.0, 1.0])
+    assert learned1 == [4 * (step + 1) for step in range(len(accepted))]  # each tree, two nodes, at once
+    assert learned4 == [0, 8, 8, 16, 16, 24, 24]  # four trees (two steps of two rows) at a time, then the rest ...
+    assert sum(p["nodes"] for p in four.stats(d4).calibration_curve()) == 28  # ... when a row left
+    s1, s4 = one.stats(d1), four.stats(d4)
+    for a, b in zip(s4.calibration_curve(), s1.calibration_curve(), strict=True):
+        assert a == pytest.approx(b)
+    assert s4.reach == pytest.approx(s1.reach) and len(s1.reach) == 2
+    assert [s4.factor(1), s4.factor(2), s4.rates.factor(1), s4.rates.factor(2)] == pytest.approx(
+        [s1.factor(1), s1.factor(2), s1.rates.factor(1), s1.rates.factor(2)])
 
 
 # --------------------------------------------------------------------------- exact end to end
