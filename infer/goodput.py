@@ -894,11 +894,11 @@ class GoodputController:
     def observe_times(
         self, tokens: int, forward: float, masked: bool, rows: int, drafted: int, overhead: float | None
     ) -> None:
-        """A step's times, in one call (the scheduler's every step, where no row may draft: a call of a few less):
-        its target forward over ``tokens`` packed tokens took ``forward`` seconds (``tokens`` 0: no one forward),
-        ``masked`` if it paid for trees (see `chains_unmasked`); over ``rows`` rows, ``drafted`` of which verified a
-        tree, it took ``overhead`` seconds beyond its forward and its drafting, from its start to the next step's
-        (see `StepCost.observe_overhead`; None: not timed, a row joined or left)."""
+        """A step's times, in one call a step (two calls and their checks cost a step where no row drafts more than
+        its plan): its target forward over ``tokens`` packed tokens took ``forward`` seconds (``tokens`` 0: no one
+        forward), ``masked`` if it paid for trees (see `chains_unmasked`); over ``rows`` rows, ``drafted`` of which
+        verified a tree, it took ``overhead`` seconds beyond its forward and its drafting, from its start to the next
+        step's (see `StepCost.observe_overhead`; None: not timed, a row joined or left)."""
         cost = self.cost
         if cost is not None:
             if tokens:

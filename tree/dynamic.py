@@ -73,7 +73,6 @@ def subtree(tree: Tree, keep: torch.Tensor | Sequence[int]) -> Tree:
     35 us a tree (the goodput controller cuts trees every step).
     """
     kept = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
-    parents = tree.parent_list
     n = len(kept)
     if kept[-1] == n - 1:  # the first n nodes (sorted and distinct: 0..n-1), closed under parents as stored parents-first
         # views, no new tensors: a chain's cut, the most common, in 8 us where it was 20
@@ -82,6 +81,7 @@ def subtree(tree: Tree, keep: torch.Tensor | Sequence[int]) -> Tree:
                    ancestors=None if tree.ancestors is None else tree.ancestors[:n, :n])
         cut.__dict__["depth_list"] = tree.depth_list[:n]
         return cut
+    parents = tree.parent_list
     new_index = {old: new for new, old in enumerate(kept)}
     remapped = [ROOT_PARENT if parents[i] < 0 else new_index.get(parents[i], -2) for i in kept]
     if -2 in remapped:
