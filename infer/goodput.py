@@ -12,7 +12,8 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    below), and catching up, in the drafter's next round, every token the row
    commits (a head with a cache runs them first). Now and then a row probes
    one level deeper than planned, its likeliest path verified whole, at most `PROBE_SHARE` of
-   its steps' worth, so that a level that stopped paying (or never paid
+   its steps' worth (a tenth of it for a level that could not repay even if
+   accepted whole), so that a level that stopped paying (or never paid
    yet) is learned again;
 2. selects, after drafting and across every row at once, the candidate nodes
    to verify: the set maximising expected committed tokens per second,
@@ -101,6 +102,10 @@ REPRICE_EVERY = 8
 # there is learned (a row that never drafts a level never learns that it now pays): probes cost at most this share of
 # its steps.
 PROBE_SHARE = 0.01
+# ... and a tenth of it where the next level's price is a token or more: it could not repay even if every node were
+# accepted, so its probes only time the drafter again (the load moves prices). EAGLE on stories260K at batch 1, a level
+# at 1.4 tokens, probed every 141 steps: 1% of its time, a third of what it kept below plain.
+SURE_LOSS_PROBE_SHARE = PROBE_SHARE / 10
 # Verified trees their drafters learn from in one pass, once this many are queued (or a row leaves): a drafter's
 # calibration and reach by depth, node by node, cost a drafting row 10-15 us a drafted step in place (stories260K,
 # prompt lookup at batch 1: the forward leaves Python's caches cold, and a pass over several runs warm after its
@@ -606,8 +611,9 @@ class GoodputController:
         # id(drafter) -> (inputs, price by levels, per token caught up, reach prior): `plan`'s prices (see `_prices`).
         self.priced: dict[int, tuple[tuple, list[float], float, list[float]]] = {}
         self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
-        # The last plan, while it holds (see `plan`): (the first step a row of it is due, its inputs, rows, depths).
-        self._memo: tuple[float, tuple, Sequence, dict[int, int]] | None = None
+        # The last plan, while it holds (see `plan`): (the first step a row of it is due, its inputs, rows, depths, the
+        # rows' name it stands for where it drafts no row (see `standing`), else None).
+        self._memo: tuple[float, tuple, Sequence, dict[int, int], int | None] | None = None
 
     def step_cost(self) -> StepCost:
         """T(N), measured on first use and shared by every controller over the same target (it is the machine's)."""
@@ -648,7 +654,22 @@ class GoodputController:
 
     # ------------------------------------------------------------------ 1. plan
 
-    def plan(self, rows: Sequence[tuple[int, Any, int]], batch: int) -> dict[int, int]:
+    def standing(self, composition: int, batch: int) -> dict[int, int] | None:
+        """The last plan again, as `plan` would give it, where it drafted no row: the step's rows are the plan's (the
+        caller's same ``composition`` says so) and nothing `plan` reads moved (batch, prices, learning, no row due).
+        None otherwise: call `plan`.
+
+        Under load no row drafts and most steps plan nothing new; answered here, a step builds no list of its rows
+        for `plan` to compare."""
+        memo = self._memo
+        if memo is None or memo[4] != composition or self.clock + 1 >= memo[0]:
+            return None
+        if memo[1] != (batch, self.cost.price_point(), DrafterStats.changes):
+            return None
+        self.clock += 1
+        return memo[3]
+
+    def plan(self, rows: Sequence[tuple[int, Any, int]], batch: int, composition: int | None = None) -> dict[int, int]:
         """How deep each adaptive row drafts: key -> depth (0: not at all).
 
         A row drafts the depth that maximises its expected tokens less what the drafting, the extra forward
@@ -663,6 +684,8 @@ class GoodputController:
         Args:
             rows: (key, drafter, the deepest it may draft) of each adaptive row.
             batch: rows in the step (every one verifies at least its root).
+            composition: the caller's name for these rows, each at the deepest its tree may draft: a plan that
+                drafts none of them stands for later steps of the same name (see `standing`). None: no such name.
         """
         cost = self.step_cost()
         self.clock += 1
@@ -670,6 +693,9 @@ class GoodputController:
         inputs = (batch, cost.price_point(), DrafterStats.changes)
         memo = self._memo
         if memo is not None and clock < memo[0] and memo[1] == inputs and memo[2] == rows:
+            if memo[4] != composition:  # it stands for this name alone, if any (see `standing`)
+                stands = composition if composition is not None and not any(memo[3].values()) else None
+                self._memo = memo[:4] + (stands,)
             return memo[3]  # a plan is memoised only where nothing probed: ``probes`` is empty still
         depths: dict[int, int] = {}
         self.probes = set()
@@ -701,7 +727,9 @@ class GoodputController:
                 self._wake(key, row, drafter, plan, depths)
             due = min(due, row.wake)
         # Kept only where nothing probes and every drafter was timed (one never timed drafts at once, to be).
-        self._memo = (due, inputs, rows, depths) if not self.probes and None not in prices.values() else None
+        # It stands for the rows' name where it drafts no row (see `standing`).
+        stands = composition if composition is not None and not any(depths.values()) else None
+        self._memo = (due, inputs, rows, depths, stands) if not self.probes and None not in prices.values() else None
         return depths
 
     def _wake(self, key: int, row: RowState, drafter: Any, plan: tuple, depths: dict[int, int]) -> None:
@@ -733,7 +761,8 @@ class GoodputController:
             net = committed - 1.0 - levels[d] - per_token * committed
             if net > best_net:
                 best, best_net = d, net
-        every = (levels[best + 1] - levels[best] if best < max_depth else 0.0) / PROBE_SHARE
+        price = levels[best + 1] - levels[best] if best < max_depth else 0.0  # of the next level, which a probe drafts
+        every = price / (PROBE_SHARE if price < 1.0 else SURE_LOSS_PROBE_SHARE)
         return priced, max_depth, best, every
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:

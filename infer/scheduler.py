@@ -59,6 +59,12 @@ DEFERRED_COMMITS = 32
 # A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
 # pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
 OVERHEAD_CLIP = 2.0
+# Steps timed before the controller is told, in one loop: told one by one, each step paid its calls in place, where the
+# forward leaves Python's caches cold (EAGLE adaptive on stories260K at batch 1, never drafting: 3 us of a 690 us step).
+TIMINGS_TOLD_EVERY = 16
+# Of the steps where no row verified a tree, one in this many is timed for the controller: under load most steps are
+# such and alike, and the fits each timed step feeds (T's scale, the work beyond the forward) cost 2.5 us a step there.
+UNDRAFTED_TIMED_EVERY = 4
 
 
 @dataclass
@@ -161,6 +167,7 @@ class Scheduler:
         # seconds and masking) of the last step, observed at the next step's start: its work beyond the forward and
         # drafting is timed then, if no row joined or left between (a prefill is no step's work).
         self._last_step: tuple[float, int, int, float, int, int, float, bool] | None = None
+        self._timings: list[tuple[float, int, tuple]] = []  # (start, `_changes` then, `_last_step`) of steps timed since
         self._changes = 0  # rows joined and left so far
         self._next_handle = 0
 
@@ -290,6 +297,8 @@ class Scheduler:
                     request.recorder.finish(),
                 )
                 events.append(Finished(request.handle, output))
+        if self._timings and not self.running:  # idle: the controller has heard of every step it timed
+            self._tell_timings()
         return events
 
     def _prefill(self, request: Request, events: list[Event]) -> None:
@@ -322,9 +331,9 @@ class Scheduler:
         begun = time.perf_counter()
         last, self._last_step = self._last_step, None
         if last is not None:  # the last step, timed now that its work beyond the forward and drafting is done
-            started, rows, drafted, busy, changes, tokens, forward, masked = last
-            overhead = min(begun - started - busy, OVERHEAD_CLIP * busy) if changes == self._changes else None
-            self.controller.observe_times(tokens, forward, masked, rows, drafted, overhead)
+            self._timings.append((begun, self._changes, last))
+            if len(self._timings) >= TIMINGS_TOLD_EVERY:
+                self._tell_timings()
         self.counters.steps += 1
         for request in live:
             request.recorder.begin_step()
@@ -349,28 +358,43 @@ class Scheduler:
                 logits, hidden, part = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, part, events))
-        if timed:  # a step that timed the target's cost curve (seconds, once per target) is no step's work
-            # observed at the next step's start, in one call: its forward (where it was one: Hugging Face's, row by
+        if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
+            # (a step that timed the target's cost curve, seconds once per target, is no step's work) observed from
+            # the next step's start (see `_tell_timings`): its forward (where it was one: Hugging Face's, row by
             # row, is not timed as one) and, if no row joined or left between, its work beyond
             self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
                                self._changes, self._forward_tokens, self._forward_seconds, self._forward_masked)
+
+    def _tell_timings(self) -> None:
+        """Tell the controller the steps timed so far (see `TIMINGS_TOLD_EVERY`), in order: each one's forward and, if
+        no row joined or left before the next step began, its work beyond its forward and drafting."""
+        timings, self._timings = self._timings, []
+        for begun, changes_now, (started, rows, drafted, busy, changes, tokens, forward, masked) in timings:
+            overhead = min(begun - started - busy, OVERHEAD_CLIP * busy) if changes == changes_now else None
+            self.controller.observe_times(tokens, forward, masked, rows, drafted, overhead)
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
         trees: dict[int, Tree] = {}
         together: dict[str, list[tuple[Request, DraftRequest]]] = {}
-        planned = {}  # adaptive rows: how deep the goodput controller lets each draft
+        planned: dict[int, int] = {}  # adaptive rows: how deep the goodput controller lets each draft
         self._adaptive_rows = False
         remaining = [r.rule.remaining() for r in live]
         if self.controller is not None:
-            critical = self._critical(remaining)
-            # (handle, drafter, the deepest it may draft) of every adaptive row: its tree's depth, not what it has left
-            # (cut below), so that a row's last steps keep the plan of the steps before (see `GoodputController.plan`)
-            adaptive = [(r.handle, r.drafter, r.tree.max_depth if left >= critical else 0)
-                        for r, left in zip(live, remaining) if r.adaptive and r.draft is not None]
-            if adaptive:
-                self._adaptive_rows = True
-                planned = self.controller.plan(adaptive, batch=len(live))
+            # The last plan, where it drafted no row and stands for these rows (the same rows joined and left so far)
+            standing = self.controller.standing(self._changes, len(live))
+            if standing is not None:
+                planned = standing
+            else:
+                critical = self._critical(remaining)
+                # (handle, drafter, the deepest it may draft) of every adaptive row: its tree's depth, not what it has
+                # left (cut below), so that a row's last steps keep the plan of the steps before (see `plan`)
+                rows = [(r, left >= critical) for r, left in zip(live, remaining) if r.adaptive and r.draft is not None]
+                adaptive = [(r.handle, r.drafter, r.tree.max_depth if whole else 0) for r, whole in rows]
+                if adaptive:  # a plan of rows none of which `_critical` cut stands for them while it drafts none
+                    composition = self._changes if all(whole for _, whole in rows) else None
+                    planned = self.controller.plan(adaptive, batch=len(live), composition=composition)
+            self._adaptive_rows = bool(planned)
         for request, left in zip(live, remaining):
             left -= 1  # draft tokens it may still use
             max_depth = min(planned.get(request.handle, left), left)  # never more than is left

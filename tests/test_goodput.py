@@ -381,16 +381,19 @@ def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selecti
     assert est[1] == pytest.approx(0.8 * factor) and est[2] <= est[1]
 
 
-def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_its_budgeted_share_of_steps():
-    from specgraft.infer.goodput import PROBE_SHARE
+@pytest.mark.parametrize("token_seconds", [1.0, 0.5])
+def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_its_budgeted_share_of_steps(token_seconds):
+    from specgraft.infer.goodput import PROBE_SHARE, SURE_LOSS_PROBE_SHARE
 
-    ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # each token costs a forward: no depth pays
+    # each forward token costs a forward (or half one): no depth pays
+    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * token_seconds}), Drafter()
     stats = ctl.stats(d)
     stats.observe_cost(1, 0.25)
     stats.observe_cost(2, 0.5)  # 0.25 s a level
     stats.reach = [0.3, 0.1]
     plans = []
-    for _ in range(300):
+    steps = 320 if token_seconds < 1 else 3000
+    for _ in range(steps):
         plans.append(ctl.plan([(0, d, 4)], batch=1)[0])
         if plans[-1]:
             assert ctl.probes == {0}
@@ -400,12 +403,55 @@ def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_i
             branching = tree_of([-1, 0, 0, 1, 2], logp=[0.0, *map(math.log, (0.3, 0.6, 0.15, 0.12))])
             probe = ctl.select([Candidate(0, d, branching, True)])[0]
             assert probe.tokens.tolist() == [0, 1, 3] and probe.is_chain
-    # A level's price: goodput 1 token/s x (0.25 s + one more forward token, 1 s) = 1.25 tokens; probes spend 1%.
-    every = math.ceil(1.25 / PROBE_SHARE)
-    assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, 300, every))
+    # A level's price: goodput 1 token/s x (0.25 s + one more forward token, 1 s) = 1.25 tokens, more than a level
+    # accepted whole could repay: probes spend a tenth of 1%. At 0.75 tokens (a forward token half a second) 1%.
+    price = 0.25 + token_seconds
+    every = math.ceil(price / (PROBE_SHARE if price < 1 else SURE_LOSS_PROBE_SHARE))
+    assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, steps, every))
     assert set(plans) == {0, 1}
     chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # not probing: cut as selection says
+
+
+def test_a_plan_that_drafts_no_row_stands_for_its_rows_until_a_row_is_due_or_what_it_read_moves():
+    """Steps that take the standing plan where there is one plan as steps that plan every time, probes included;
+    a plan stands only for the rows' name it was made for, where it drafts none, while its inputs hold."""
+    def make():
+        ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # a level costs 1.25 tokens: no depth pays
+        stats = ctl.stats(d)
+        stats.observe_cost(1, 0.25)
+        stats.observe_cost(2, 0.5)
+        stats.reach = [0.3, 0.1]
+        return ctl, d
+
+    (every_step, d1), (standing, d2) = make(), make()
+    planned, taken, plans = [], [], 0
+    for _ in range(3000):
+        planned.append(every_step.plan([(0, d1, 4), (1, d1, 4)], batch=2, composition=7)[1])
+        depths = standing.standing(7, batch=2)
+        if depths is None:
+            plans += 1
+            depths = standing.plan([(0, d2, 4), (1, d2, 4)], batch=2, composition=7)
+        taken.append(depths[1])
+    assert taken == planned and sum(planned) == 2  # two probes of row 1 (rows probe on their own clocks)
+    assert plans <= 6  # the first plan, and around each probe: the plan before it stands no further than it
+    assert standing.clock == every_step.clock == 3000
+
+    ctl, d = make()
+    rows = [(0, d, 4)]
+    assert ctl.plan(rows, batch=1, composition=3) == {0: 0}
+    assert ctl.standing(3, batch=1) == {0: 0}
+    assert ctl.standing(4, batch=1) is None  # other rows
+    assert ctl.standing(3, batch=2) is None  # another batch
+    ctl.cost.scale = 1.5  # the prices move
+    assert ctl.standing(3, batch=1) is None
+    assert ctl.plan(rows, batch=1) == {0: 0} and ctl.standing(3, batch=1) is None  # made for no name: stands for none
+    assert ctl.plan(rows, batch=1, composition=3) == {0: 0} and ctl.standing(3, batch=1) == {0: 0}  # memoised, named
+    ctl.stats(d).reach = [0.9, 0.9]
+    ctl.stats(d).moved()  # its drafter learned
+    assert ctl.standing(3, batch=1) is None
+    ctl.cost = StepCost({1: 1.0, 64: 1.0})  # and verifying became free: a level pays
+    assert ctl.plan(rows, batch=1, composition=3)[0] > 0 and ctl.standing(3, batch=1) is None  # it drafts: no standing
 
 
 def test_a_row_silenced_by_early_misses_drifts_back_to_its_drafters_reach_and_drafts_again():
@@ -525,7 +571,7 @@ def test_rows_idle_for_many_steps_draft_exactly_when_they_resume(stories, dev_pr
     eagle = sg.load_drafter(trained_eagle, stories)
     steps = [0]
 
-    def idle_then_deep(self, rows, batch):  # no drafting for more steps than a state keeps pending, then 4 levels
+    def idle_then_deep(self, rows, batch, composition=None):  # no drafting for more steps than a state keeps pending, then 4 levels
         steps[0] += 1
         return {key: 0 if steps[0] <= PENDING_COMMITS + 5 else min(4, deepest) for key, _, deepest in rows}
 
@@ -544,7 +590,7 @@ def test_a_closed_batch_drafts_only_its_longest_rows_while_no_request_waits(stor
     """A closed batch ends with its longest row: a row with fewer tokens left is planned no draft (exactly)."""
     planned = []
 
-    def recording(self, rows, batch):  # the deepest each adaptive row may draft, as the scheduler offers it
+    def recording(self, rows, batch, composition=None):  # the deepest each adaptive row may draft, as the scheduler offers it
         planned.append({key: deepest for key, _, deepest in rows})
         return {key: min(2, deepest) for key, _, deepest in rows}
 
@@ -589,7 +635,7 @@ def draft_every(monkeypatch, period: int, levels: int) -> list[int]:
     the step counter (its [0]: steps planned so far)."""
     steps = [0]
 
-    def plan(self, rows, batch):
+    def plan(self, rows, batch, composition=None):
         steps[0] += 1
         return {key: levels if steps[0] % period == 0 else 0 for key, _, _ in rows}
 
@@ -637,6 +683,31 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
         else:
             assert any(masked for rows, tokens, masked in forwards if tokens > rows)
         assert all(not masked for rows, tokens, masked in forwards if tokens == rows)
+
+
+def test_steps_that_verify_no_tree_are_timed_one_in_a_few_and_every_other_step_is(stories, monkeypatch):
+    from specgraft.infer.scheduler import UNDRAFTED_TIMED_EVERY
+
+    draft_every(monkeypatch, 3, levels=2)
+    told = []
+    monkeypatch.setattr(GoodputController, "observe_times",
+                        lambda self, tokens, seconds, masked, rows, drafted, overhead: told.append((tokens, drafted)))
+    sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=1)
+    trees, original = {}, sched._commit
+
+    def commit(request, tree, prefix, logits, hidden, part, events):
+        trees[sched.counters.steps] = tree.num_nodes > 1
+        original(request, tree, prefix, logits, hidden, part, events)
+
+    sched._commit = commit
+    handle = sched.submit(stories.encode("the cat sat on the mat and the cat"), 40, drafter="guesses", tree=sg.Adaptive(),
+                          eos_token_id=())
+    sched.controller.cost = StepCost({1: 1.0})  # timed: steps are observed
+    Driver(sched).run(handle)
+    last = sched.counters.steps  # told at the next step's start: none came
+    expected = [(int(trees[s]), int(trees[s])) for s in range(1, last) if trees[s] or s % UNDRAFTED_TIMED_EVERY == 0]
+    assert [(int(tokens > 1), drafted) for tokens, drafted in told] == expected
+    assert sum(trees.values()) >= 5 and len(expected) < last - 10
 
 
 class Recorder(Guesses):
