@@ -61,9 +61,10 @@ class Request:
     # Tokens given to its draft state since it last proposed (the prompt, then commits): what a drafter with a
     # cache catches up on in its next round, which the goodput controller's draft cost reads.
     behind: int = 0
-    # Commits of the root alone not given to its draft state yet, (tokens, the step's hidden layer -> every row's
-    # states, its row there): given as one when it next drafts (see `Scheduler._defer`).
-    deferred: list[tuple[torch.Tensor, dict[int, Sequence[torch.Tensor]], int]] = field(default_factory=list)
+    # Commits of the root alone not given to its draft state yet: its row's index in the scheduler's held states,
+    # and the root, of each; given as one commit when it next drafts (see `Scheduler._hold`).
+    deferred: list[int] = field(default_factory=list)
+    deferred_roots: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of ``text`` already sent in events
 

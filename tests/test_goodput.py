@@ -753,6 +753,39 @@ def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(
         assert all(n <= 3 or path for n, path in zip(sizes, with_path))
 
 
+def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that_join_later(stories, monkeypatch):
+    """The held forwards serve rows of different layers, a drafter that reads none, and a row that joined after the
+    others began: each draft state gets its own tokens and states at its own layer, in order, each once."""
+    from specgraft.infer import scheduler as scheduler_module
+
+    draft_every(monkeypatch, 5, levels=1)
+    monkeypatch.setattr(scheduler_module, "DEFERRED_COMMITS", 4)
+    last, early = Recorder(stories.num_layers), Recorder(2)
+    late = Recorder(1)  # a layer no other row reads: the forwards before it joined hold none of it
+    sched = sg.Scheduler(stories, {"last": last, "early": early, "late": late, "guesses": Guesses()}, max_batch_size=4)
+    driver = Driver(sched)
+    texts = {"last": "Once upon a time, there was a little dog", "early": "The sun was hot", "guesses": "A cat",
+             "late": "Tom and Sue went to the park"}
+    prompts = {name: stories.encode(text) for name, text in texts.items()}
+    handles = {name: sched.submit(prompts[name], 21, drafter=name, tree=sg.Adaptive(), eos_token_id=())
+               for name in ("last", "early", "guesses")}
+    for _ in range(6):
+        driver.step()
+    handles["late"] = sched.submit(prompts["late"], 21, drafter="late", tree=sg.Adaptive(), eos_token_id=())
+    driver.run(*handles.values())
+    for name, recorder in (("last", last), ("early", early), ("late", late)):
+        layer, prompt = recorder.hidden_layers[0], prompts[name]
+        generated = driver.result(handles[name]).token_ids
+        committed = [t for tokens, _, _ in recorder.commits for t in tokens]
+        assert committed == generated[:len(committed)] and len(committed) >= len(generated) - 4  # in order, once
+        ids = torch.tensor(prompt + generated)
+        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=(layer,))
+        states = torch.cat([h for _, h, _ in recorder.commits])
+        torch.testing.assert_close(states, out.hidden[layer][0, len(prompt) : len(prompt) + len(committed)],
+                                   rtol=1e-4, atol=1e-4)
+    assert not sched._held  # idle: nothing held
+
+
 def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
     """Forty one-token commits (folded at `PENDING_COMMITS` and at the round) draft the tree one commit of all forty does."""
     eagle = sg.load_drafter(trained_eagle, stories)
