@@ -55,9 +55,9 @@ T = TypeVar("T")
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
-# Steps whose states rows keep for their draft states (commits of the root alone) before every row gives them (see
-# `Scheduler._hold`).
-DEFERRED_COMMITS = 32
+# Rows of forwards' states held for rows' draft states (their commits of the root alone) before every row gives what
+# it kept and the forwards are let go (see `Scheduler._hold`): 7 MB of SmolLM2's three EAGLE-3 taps in float32.
+HELD_ROWS = 1024
 # A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
 # pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
 OVERHEAD_CLIP = 2.0
@@ -179,6 +179,7 @@ class Scheduler:
         self._held_last: dict[int, torch.Tensor] | None = None
         self._held_base = 0  # the rows held before the last one
         self._held_joined: tuple[int, dict[int, torch.Tensor]] | None = None
+        self._holding = 0  # rows that kept roots not given yet: none, and the held forwards are let go
         self._next_handle = 0
 
     # ------------------------------------------------------------------ the pool
@@ -310,8 +311,7 @@ class Scheduler:
         if not self.running:  # idle: the controller has heard of every step it timed, and no state is held
             if self._timings:
                 self._tell_timings()
-            if self._held:
-                self._give_held(events)
+            self._let_go_held()
         return events
 
     def _prefill(self, request: Request, events: list[Event]) -> None:
@@ -371,7 +371,7 @@ class Scheduler:
                 logits, hidden, start = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, start, events))
-        if len(self._held) >= DEFERRED_COMMITS:  # every row gives what it kept: the forwards' outputs are let go
+        if self._held_rows >= HELD_ROWS:  # every row gives what it kept: the forwards' outputs are let go
             self._give_held(events)
         if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
             # (a step that timed the target's cost curve, seconds once per target, is no step's work) observed from
@@ -555,6 +555,8 @@ class Scheduler:
             if whole and not request.drafted:  # the root alone, its drafter's state not needed before it drafts
                 if hidden is not self._held_last:  # the first row of this forward to keep its root (see `_hold`)
                     self._hold(hidden, self._forward_tokens or tree.num_nodes)  # (Hugging Face's: a row a forward)
+                if not request.deferred:
+                    self._holding += 1
                 request.deferred.append(self._held_base + start)
                 request.deferred_roots.append(request.root)
             else:
@@ -579,8 +581,8 @@ class Scheduler:
         its draft state's commit every step: its states' views and a call. It keeps its root and its row's index in
         the held states instead, two ints, and gives them all as one commit when it next drafts (every `DraftState`
         keeps a run of commits as it keeps one commit of them all), its states gathered from the held forwards'
-        join in one indexing a layer. After `DEFERRED_COMMITS` forwards every row gives what it kept and the
-        forwards' outputs are let go. EAGLE on stories260K at batch 16, never drafting: 32 us a step over plain
+        join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_ROWS` rows of
+        them (every row then gives what it kept). EAGLE on stories260K at batch 16, never drafting: 32 us a step over plain
         (median of paired blocks of steps), against 42-50 us keeping a tuple a row a step (its tokens, every row's
         states split apart, its row there), joined when given.
         """
@@ -609,16 +611,24 @@ class Scheduler:
         roots, request.deferred_roots = request.deferred_roots, []
         if rows:
             held, at = self._held_states(), torch.tensor(rows, device=self.target.device)
-            request.draft.commit(torch.tensor(roots, device=self.target.device),
-                                 {i: held[i][at] for i in request.hidden_layers})
+            states = {i: held[i][at] for i in request.hidden_layers}
+            self._holding -= 1
+            if not self._holding:
+                self._let_go_held()
+            request.draft.commit(torch.tensor(roots, device=self.target.device), states)
         return True
 
     def _give_held(self, events: list[Event]) -> None:
-        """Every row gives the roots it kept (see `_hold`), and the held forwards are let go."""
+        """Every row gives the roots it kept (see `_hold`), and so the held forwards are let go."""
         for request in list(self.running.values()):
             if request.deferred and not request.rule.done:
                 self._isolated(request, events, lambda: self._give_deferred(request))
+        # the forwards are let go as the last row gives (or, one that ended this step, leaves: see `_leave`)
+
+    def _let_go_held(self) -> None:
+        """Let the held forwards go: no row keeps a root of them (see `_hold`)."""
         self._held, self._held_rows, self._held_last, self._held_base, self._held_joined = [], 0, None, 0, None
+        self._holding = 0
 
     def _emit(self, request: Request, kept: list[int], events: list[Event]) -> None:
         request.token_ids.extend(kept)
@@ -642,6 +652,10 @@ class Scheduler:
         """Take a generation out of the running batch and free its rows."""
         self.running.pop(request.handle, None)
         self._changes += 1
+        if request.deferred:  # what it kept is given to no one
+            self._holding -= 1
+            if not self._holding:
+                self._let_go_held()
         if self.controller is not None:
             self.controller.forget(request.handle)
         if request.row is not None:

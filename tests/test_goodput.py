@@ -723,11 +723,12 @@ class Recorder(Guesses):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(stories, monkeypatch, batch):
     """Its draft state gets the steps' tokens and target states in order, each once, joined in one commit before it
-    next proposes (or after `DEFERRED_COMMITS` of them); the commit of a step it drafted carries that step's path."""
+    next proposes (or once `HELD_ROWS` rows of the forwards' states are held); the commit of a step it drafted carries
+    that step's path."""
     from specgraft.infer import scheduler as scheduler_module
 
     draft_every(monkeypatch, 5, levels=1)
-    monkeypatch.setattr(scheduler_module, "DEFERRED_COMMITS", 3)
+    monkeypatch.setattr(scheduler_module, "HELD_ROWS", 3 * batch)  # three forwards of roots alone
     layer = stories.num_layers
     recorders = [Recorder(layer) for _ in range(batch)]
     sched = sg.Scheduler(stories, {f"r{i}": r for i, r in enumerate(recorders)}, max_batch_size=batch)
@@ -759,7 +760,7 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     from specgraft.infer import scheduler as scheduler_module
 
     draft_every(monkeypatch, 5, levels=1)
-    monkeypatch.setattr(scheduler_module, "DEFERRED_COMMITS", 4)
+    monkeypatch.setattr(scheduler_module, "HELD_ROWS", 10)  # every three or four forwards
     last, early = Recorder(stories.num_layers), Recorder(2)
     late = Recorder(1)  # a layer no other row reads: the forwards before it joined hold none of it
     sched = sg.Scheduler(stories, {"last": last, "early": early, "late": late, "guesses": Guesses()}, max_batch_size=4)
@@ -769,10 +770,16 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     prompts = {name: stories.encode(text) for name, text in texts.items()}
     handles = {name: sched.submit(prompts[name], 21, drafter=name, tree=sg.Adaptive(), eos_token_id=())
                for name in ("last", "early", "guesses")}
+    held = []  # rows of states held after each step
     for _ in range(6):
         driver.step()
+        held.append(sched._held_rows)
     handles["late"] = sched.submit(prompts["late"], 21, drafter="late", tree=sg.Adaptive(), eos_token_id=())
-    driver.run(*handles.values())
+    while not all(driver.finished(h) for h in handles.values()):
+        driver.step()
+        held.append(sched._held_rows)
+    # let go when every row has given (all draft on every fifth step), or at the cap; never beyond a forward past it
+    assert held[4] == 0 and held.count(0) >= 4 and max(held) < 10 + 4 and max(held) >= 6
     for name, recorder in (("last", last), ("early", early), ("late", late)):
         layer, prompt = recorder.hidden_layers[0], prompts[name]
         generated = driver.result(handles[name]).token_ids
