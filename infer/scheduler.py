@@ -392,6 +392,7 @@ class Scheduler:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
         trees: dict[int, Tree] = {}
         together: dict[str, list[tuple[Request, DraftRequest]]] = {}
+        caught_up: dict[str, float] = {}  # batch drafter -> seconds its rows' states took to take the roots they kept
         planned: dict[int, int] = {}  # adaptive rows: how deep the goodput controller lets each draft
         self._adaptive_rows = False
         remaining = [r.rule.remaining() for r in live]
@@ -416,14 +417,18 @@ class Scheduler:
             request.drafted = request.draft is not None and max_depth >= 1
             if not request.drafted:
                 trees[request.handle] = Tree.root_only(request.root, self.target.device)
-            elif request.deferred and not self._isolated(request, events, lambda: self._give_deferred(request)):
+                continue
+            # Giving a row's state the roots it kept is its drafter's catching up (see `_observe_draft`): a prompt
+            # lookup row that gave a hundred roots in its step's overhead priced its drafted steps out of drafting
+            start = time.thread_time()
+            if request.deferred and not self._isolated(request, events, lambda: self._give_deferred(request)):
                 continue  # its state failed the commits it was owed: it left
-            elif request.drafter_name in self.draft_pools:
+            if request.drafter_name in self.draft_pools:
                 draft = DraftRequest(request.draft, request.root, request.tree, max_depth, request.sampling,
                                      request.draft_row or 0)
                 together.setdefault(request.drafter_name, []).append((request, draft))
+                caught_up[request.drafter_name] = caught_up.get(request.drafter_name, 0.0) + time.thread_time() - start
             else:
-                start = time.thread_time()
                 tree = self._isolated(request, events, lambda: request.draft.propose(
                     request.root, request.tree, max_depth, request.sampling))
                 self._observe_draft(request.drafter, [request], [tree], start)
@@ -433,7 +438,8 @@ class Scheduler:
             start = time.thread_time()
             drafted = self._draft_together(name, group, events)
             trees.update(drafted)
-            self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()), start)
+            self._observe_draft(self.drafters[name], [r for r, _ in group], list(drafted.values()),
+                                start - caught_up[name])
         return trees
 
     def _critical(self, remaining: list[int]) -> int:
