@@ -720,6 +720,19 @@ class Recorder(Guesses):
         self.commits.append((tokens.tolist(), hidden[self.hidden_layers[0]].clone(), path))
 
 
+def assert_given_in_order_once(target, recorder: Recorder, prompt: list[int], generated: list[int]) -> None:
+    """The draft state got the generation's tokens in order, each once (all but the last few), with the target's
+    states at its layer there, as one forward over the whole text computes them."""
+    layer = recorder.hidden_layers[0]
+    committed = [t for tokens, _, _ in recorder.commits for t in tokens]
+    assert committed == generated[:len(committed)] and len(committed) >= len(generated) - 4
+    ids = torch.tensor(prompt + generated)
+    out = target.forward(ids[None], target.new_cache(), torch.arange(len(ids))[None], hidden_layers=(layer,))
+    states = torch.cat([h for _, h, _ in recorder.commits])
+    torch.testing.assert_close(states, out.hidden[layer][0, len(prompt) : len(prompt) + len(committed)],
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(stories, monkeypatch, batch):
     """Its draft state gets the steps' tokens and target states in order, each once, joined in one commit before it
@@ -737,15 +750,7 @@ def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(
     handles = [sched.submit(prompts[i], 23, drafter=f"r{i}", tree=sg.Adaptive(), eos_token_id=()) for i in range(batch)]
     driver.run(*handles)
     for handle, recorder, prompt in zip(handles, recorders, prompts):  # rows of different texts: each its own states
-        generated = driver.result(handle).token_ids
-        committed = [t for tokens, _, _ in recorder.commits for t in tokens]
-        assert committed == generated[:len(committed)] and len(committed) >= len(generated) - 4  # in order, once
-        # the target's states at those positions, as one forward over the whole text computes them
-        ids = torch.tensor(prompt + generated)
-        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=(layer,))
-        states = torch.cat([h for _, h, _ in recorder.commits])
-        torch.testing.assert_close(states, out.hidden[layer][0, len(prompt) : len(prompt) + len(committed)],
-                                   rtol=1e-4, atol=1e-4)
+        assert_given_in_order_once(stories, recorder, prompt, driver.result(handle).token_ids)
         sizes = [len(tokens) for tokens, _, _ in recorder.commits]
         with_path = [path is not None for _, _, path in recorder.commits]
         # between rounds: the four plain steps' roots, given as one commit of 3 (the cap) and one of 1 before the
@@ -781,15 +786,7 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     # let go when every row has given (all draft on every fifth step), or at the cap; never beyond a forward past it
     assert held[4] == 0 and held.count(0) >= 4 and max(held) < 10 + 4 and max(held) >= 6
     for name, recorder in (("last", last), ("early", early), ("late", late)):
-        layer, prompt = recorder.hidden_layers[0], prompts[name]
-        generated = driver.result(handles[name]).token_ids
-        committed = [t for tokens, _, _ in recorder.commits for t in tokens]
-        assert committed == generated[:len(committed)] and len(committed) >= len(generated) - 4  # in order, once
-        ids = torch.tensor(prompt + generated)
-        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None], hidden_layers=(layer,))
-        states = torch.cat([h for _, h, _ in recorder.commits])
-        torch.testing.assert_close(states, out.hidden[layer][0, len(prompt) : len(prompt) + len(committed)],
-                                   rtol=1e-4, atol=1e-4)
+        assert_given_in_order_once(stories, recorder, prompts[name], driver.result(handles[name]).token_ids)
     assert not sched._held  # idle: nothing held
 
 
