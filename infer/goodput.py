@@ -564,6 +564,12 @@ class RowState:
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
 
+def _stands(composition: int | None, depths: dict[int, int]) -> int | None:
+    """The rows' name a plan of these depths stands for (see `GoodputController.standing`): theirs where it drafts no
+    row, else none."""
+    return composition if composition is not None and not any(depths.values()) else None
+
+
 def count_reach(hits: list[float], seen: list[float], accepted: int, verified_depth: int, memory: float) -> None:
     """Count a step verified to ``verified_depth`` that accepted ``accepted`` draft tokens, at every depth it verified
     ([d - 1]: steps whose path reached d, steps verified to d); a depth's counts halve past ``memory`` steps."""
@@ -694,8 +700,7 @@ class GoodputController:
         memo = self._memo
         if memo is not None and clock < memo[0] and memo[1] == inputs and memo[2] == rows:
             if memo[4] != composition:  # it stands for this name alone, if any (see `standing`)
-                stands = composition if composition is not None and not any(memo[3].values()) else None
-                self._memo = memo[:4] + (stands,)
+                self._memo = memo[:4] + (_stands(composition, memo[3]),)
             return memo[3]  # a plan is memoised only where nothing probed: ``probes`` is empty still
         depths: dict[int, int] = {}
         self.probes = set()
@@ -727,9 +732,8 @@ class GoodputController:
                 self._wake(key, row, drafter, plan, depths)
             due = min(due, row.wake)
         # Kept only where nothing probes and every drafter was timed (one never timed drafts at once, to be).
-        # It stands for the rows' name where it drafts no row (see `standing`).
-        stands = composition if composition is not None and not any(depths.values()) else None
-        self._memo = (due, inputs, rows, depths, stands) if not self.probes and None not in prices.values() else None
+        kept = not self.probes and None not in prices.values()
+        self._memo = (due, inputs, rows, depths, _stands(composition, depths)) if kept else None
         return depths
 
     def _wake(self, key: int, row: RowState, drafter: Any, plan: tuple, depths: dict[int, int]) -> None:

@@ -177,7 +177,6 @@ class Scheduler:
         self._held: list[tuple[dict[int, torch.Tensor], int]] = []
         self._held_rows = 0
         self._held_last: dict[int, torch.Tensor] | None = None
-        self._held_base = 0  # the rows held before the last one
         self._held_joined: tuple[int, dict[int, torch.Tensor]] | None = None
         self._holding = 0  # rows that kept roots not given yet: none, and the held forwards are let go
         self._next_handle = 0
@@ -563,7 +562,7 @@ class Scheduler:
                     self._hold(hidden, self._forward_tokens or tree.num_nodes)  # (Hugging Face's: a row a forward)
                 if not request.deferred:
                     self._holding += 1
-                request.deferred.append(self._held_base + start)
+                request.deferred.append(self._held_rows - self._held[-1][1] + start)  # the rows before its forward's
                 request.deferred_roots.append(request.root)
             else:
                 self._give_deferred(request)
@@ -593,7 +592,7 @@ class Scheduler:
         a step (its tokens, every row's states split apart, its row there), given 32 at a time.
         """
         self._held.append((hidden, rows))
-        self._held_last, self._held_base = hidden, self._held_rows
+        self._held_last = hidden
         self._held_rows += rows
 
     def _held_states(self) -> dict[int, torch.Tensor]:
@@ -633,7 +632,7 @@ class Scheduler:
 
     def _let_go_held(self) -> None:
         """Let the held forwards go: no row keeps a root of them (see `_hold`)."""
-        self._held, self._held_rows, self._held_last, self._held_base, self._held_joined = [], 0, None, 0, None
+        self._held, self._held_rows, self._held_last, self._held_joined = [], 0, None, None
         self._holding = 0
 
     def _emit(self, request: Request, kept: list[int], events: list[Event]) -> None:
