@@ -382,7 +382,9 @@ def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selecti
 
 
 @pytest.mark.parametrize("token_seconds", [1.0, 0.5])
-def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_its_budgeted_share_of_steps(token_seconds):
+def test_a_row_that_does_not_draft_probes_its_likeliest_path_as_deep_as_it_may_draft_at_its_budgeted_share_of_steps(
+    token_seconds,
+):
     from specgraft.infer.goodput import PROBE_SHARE, SURE_LOSS_PROBE_SHARE
 
     # each forward token costs a forward (or half one): no depth pays
@@ -394,23 +396,67 @@ def test_a_row_that_does_not_draft_probes_its_likeliest_path_a_level_deeper_at_i
     plans = []
     steps = 320 if token_seconds < 1 else 3000
     for _ in range(steps):
-        plans.append(ctl.plan([(0, d, 4)], batch=1)[0])
+        plans.append(ctl.plan([(0, d, 2)], batch=1)[0])
         if plans[-1]:
             assert ctl.probes == {0}
-            chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
-            assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 2  # a probe is verified whole
+            chain = tree_of([-1, 0, 1], logp=[0.0, math.log(0.3), math.log(0.1)])
+            assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 3  # a probe is verified whole
             # ... as the path to its likeliest deepest node, where the tree branches: a chain, unmasked alone
             branching = tree_of([-1, 0, 0, 1, 2], logp=[0.0, *map(math.log, (0.3, 0.6, 0.15, 0.12))])
             probe = ctl.select([Candidate(0, d, branching, True)])[0]
             assert probe.tokens.tolist() == [0, 1, 3] and probe.is_chain
     # A level's price: goodput 1 token/s x (0.25 s + one more forward token, 1 s) = 1.25 tokens, more than a level
-    # accepted whole could repay: probes spend a tenth of 1%. At 0.75 tokens (a forward token half a second) 1%.
-    price = 0.25 + token_seconds
-    every = math.ceil(price / (PROBE_SHARE if price < 1 else SURE_LOSS_PROBE_SHARE))
+    # accepted whole could repay: probes of both levels (2.5 tokens) spend a tenth of 1%. At 0.75 tokens a level (a
+    # forward token half a second) 1%.
+    price = 2 * (0.25 + token_seconds)
+    every = math.ceil(price / (PROBE_SHARE if price < 2 else SURE_LOSS_PROBE_SHARE))
     assert [i for i, p in enumerate(plans) if p] == list(range(every - 1, steps, every))
-    assert set(plans) == {0, 1}
+    assert set(plans) == {0, 2}
     chain = tree_of([-1, 0], logp=[0.0, math.log(0.3)])
     assert ctl.select([Candidate(0, d, chain, True)])[0].num_nodes == 1  # not probing: cut as selection says
+
+
+def test_a_probe_teaches_the_depths_that_pay_only_together_and_the_row_then_drafts_them():
+    """A draft's fixed costs (the scheduler's work on a tree, the drafter's call) can make one level a loss where
+    several pay (prompt lookup copies many tokens for the price of one): a probe one level deeper than a plan of none
+    never learned that. A probe verifies as deep as the row may draft, and every depth's reach is learned."""
+    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * 0.05}), Drafter()  # a forward token: 0.05 of a forward
+    ctl.cost.per_drafted = 1.2  # the work on any tree: more than one token accepted repays
+    stats = ctl.stats(d)
+    for levels in (1, 4):
+        stats.observe_cost(levels, 0.01)  # drafting costs the same at any depth
+    stats.reach = [0.3, 0.1, 0.02, 0.02]  # what a few unlucky first trees taught: no depth pays
+    planned = []
+    for step in range(800):
+        depths = ctl.plan([(0, d, 4)], batch=1)
+        planned.append(depths[0])
+        if depths[0]:
+            chain = tree_of([-1, 0, 1, 2, 3], logp=[0.0] * 5)  # no probabilities: prompt lookup's
+            tree = ctl.select([Candidate(0, d, chain, True)])[0]
+            ctl.observe_step(0, d, tree, torch.arange(tree.num_nodes))  # every copied token was right
+    # Probes, four deep, every 141 steps (1.41 tokens at 1% of the steps); the drafter learns their reach four trees
+    # at a time (`LEARN_EVERY`), and then the row drafts all four levels every step
+    assert [i for i, p in enumerate(planned[:600]) if p][:4] == [140, 281, 422, 563]
+    assert set(planned) == {0, 4} and all(planned[600:])
+
+
+def test_rows_shorter_than_a_probes_wait_probe_all_the_same_at_phases_spread_by_their_keys():
+    """Each row probes on its own clock; one that joined would wait a whole ``every`` for its first probe, and rows
+    that end sooner (a 64-token generation against 70 steps) would never probe, nor their drafter learn again."""
+    from specgraft.infer.goodput import PROBE_SHARE
+
+    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * 0.5}), Drafter()
+    stats = ctl.stats(d)
+    stats.observe_cost(1, 0.25)
+    stats.observe_cost(2, 0.5)
+    stats.reach = [0.3, 0.1]
+    every = 1.5 / PROBE_SHARE  # both levels at 0.75 tokens each
+    probed = []
+    for key in range(40):  # rows one after another, each for half a wait
+        plans = [ctl.plan([(key, d, 2)], batch=1)[key] for _ in range(int(every / 2))]
+        probed.append(sum(1 for p in plans if p))
+        ctl.forget(key)
+    assert set(probed) == {0, 1} and 15 <= sum(probed) <= 25  # about half of them, once each
 
 
 def test_a_plan_that_drafts_no_row_stands_for_its_rows_until_a_row_is_due_or_what_it_read_moves():
@@ -427,13 +473,16 @@ def test_a_plan_that_drafts_no_row_stands_for_its_rows_until_a_row_is_due_or_wha
     (every_step, d1), (standing, d2) = make(), make()
     planned, taken, plans = [], [], 0
     for _ in range(3000):
-        planned.append(every_step.plan([(0, d1, 4), (1, d1, 4)], batch=2, composition=7)[1])
+        planned.append(dict(every_step.plan([(0, d1, 2), (1, d1, 2)], batch=2, composition=7)))
         depths = standing.standing(7, batch=2)
         if depths is None:
             plans += 1
-            depths = standing.plan([(0, d2, 4), (1, d2, 4)], batch=2, composition=7)
-        taken.append(depths[1])
-    assert taken == planned and sum(planned) == 2  # two probes of row 1 (rows probe on their own clocks)
+            depths = standing.plan([(0, d2, 2), (1, d2, 2)], batch=2, composition=7)
+        taken.append(dict(depths))
+    # a probe of both levels (2.5 tokens) every 2,500 steps, each row on its own clock: row 0's at its end, row 1's
+    # first after the share of the wait its key leaves (1 - 0.618)
+    probes = [(i, key) for i, plan in enumerate(planned) for key, depth in plan.items() if depth]
+    assert taken == planned and probes == [(954, 1), (2499, 0)]
     assert plans <= 6  # the first plan, and around each probe: the plan before it stands no further than it
     assert standing.clock == every_step.clock == 3000
 
