@@ -103,7 +103,8 @@ REPRICE_EVERY = 8
 # share of its steps. Not one level deeper than planned: where a draft's fixed costs outweigh one level's worth (prompt
 # lookup on stories260K at batch 1: 0.47 tokens for a level, 0.70 for six, copied in one call), a row planning none
 # learned only depth 1, which never paid, and a few unlucky first trees (depth 3: 0 of 11) kept its drafter from
-# drafting for good (1.4% of steps drafted, 0.98x of plain, against 28% and 1.01x with probes this deep).
+# drafting for good (1.4% of steps drafted, 0.98x of plain, against 28% and 1.01x with probes this deep). The share
+# counts the probe's catching up on the tokens its row committed since it last drafted (see `_plan_row`).
 PROBE_SHARE = 0.01
 # ... and a tenth of it where no depth's price is below its depth in tokens: none could repay even if every node were
 # accepted, so its probes only time the drafter again (the load moves prices). EAGLE on stories260K at batch 1, a level
@@ -775,7 +776,10 @@ class GoodputController:
                 best, best_net = d, net
         price = levels[max_depth] - levels[best]  # of the levels a probe drafts beyond the plan (see `PROBE_SHARE`)
         sure_loss = all(levels[d] - levels[best] >= d - best for d in range(best + 1, max_depth + 1))
-        every = price / (SURE_LOSS_PROBE_SHARE if sure_loss else PROBE_SHARE)
+        # A probe also catches the row up on every token committed since it last drafted, about one a step between
+        # probes: at a share no greater than that catching up alone, the row does not probe at this batch
+        share = SURE_LOSS_PROBE_SHARE if sure_loss else PROBE_SHARE
+        every = price / (share - per_token) if share > per_token else math.inf
         return priced, max_depth, best, every
 
     def _prices(self, drafter: Any, batch: int, max_depth: int, cost: StepCost) -> tuple | None:

@@ -440,6 +440,32 @@ def test_a_probe_teaches_the_depths_that_pay_only_together_and_the_row_then_draf
     assert set(planned) == {0, 4} and all(planned[600:])
 
 
+@pytest.mark.parametrize("behind_seconds", [0.002, 0.02])
+def test_a_probe_is_priced_with_catching_up_the_tokens_its_row_committed_since_it_last_drafted(behind_seconds):
+    """A probe's draft runs the tokens committed since the row last drafted first (a head's cache, lookup's index),
+    about one a step between probes: that catching up counts in the probe's share, and where it alone costs more
+    than the share, the row does not probe at this batch (stories260K, prompt lookup at batch 4: probes budgeted at
+    1% cost 2.5% of the throughput before)."""
+    from specgraft.infer.goodput import PROBE_SHARE
+
+    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * 0.5}), Drafter()
+    stats = ctl.stats(d)
+    stats.observe_cost(1, 0.25, behind=0.0)
+    stats.observe_cost(2, 0.5, behind=0.0)
+    stats.observe_cost(2, 0.5 + 10 * behind_seconds, behind=10.0)  # a level 0.25 s, a token behind behind_seconds
+    stats.reach = [0.3, 0.1]
+    plans = [ctl.plan([(0, d, 2)], batch=1)[0] for _ in range(1000)]
+    per_token = ctl.priced[id(d)][2]
+    assert per_token == pytest.approx(behind_seconds)  # goodput: a token a second
+    price = 2 * (0.25 + 0.5)
+    probes = [i for i, p in enumerate(plans) if p]
+    if per_token < PROBE_SHARE:
+        every = math.ceil(price / (PROBE_SHARE - per_token))  # 188 steps, not 150
+        assert probes == list(range(every - 1, 1000, every))
+    else:
+        assert probes == []
+
+
 def test_rows_shorter_than_a_probes_wait_probe_all_the_same_at_phases_spread_by_their_keys():
     """Each row probes on its own clock; one that joined would wait a whole ``every`` for its first probe, and rows
     that end sooner (a 64-token generation against 70 steps) would never probe, nor their drafter learn again."""
