@@ -562,9 +562,13 @@ class RowState:
         """When it next needs the controller's attention, planned ``best`` of ``max_depth`` levels: its next probe
         (``every`` steps after its last, while it plans less than it may draft) or, while it plans no draft but has
         counts of its own, their next halving."""
-        probe = self.probed + every * (1 - self.lead) if best < max_depth else math.inf
+        probe = self.next_probe(every) if best < max_depth else math.inf
         quiet = self.quieted + QUIET_HALVING if best == 0 and self.seen else math.inf
         self.wake = min(probe, quiet)
+
+    def next_probe(self, every: float) -> float:
+        """The step its next probe is due at, ``every`` steps between probes (its first sooner by its ``lead``)."""
+        return self.probed + every * (1 - self.lead)
 
     def _pull(self, drafter: DrafterStats) -> None:
         DrafterStats.changes += 1
@@ -753,7 +757,7 @@ class GoodputController:
         clock = self.clock
         if best == 0 and row.seen and clock - row.quieted >= QUIET_HALVING:
             row.forget(self._stats(drafter), clock)
-        if best < max_depth and clock - row.probed >= every * (1 - row.lead):
+        if best < max_depth and clock >= row.next_probe(every):
             row.probed, row.lead = clock, 0.0
             depths[key] = max_depth
             self.probes.add(key)

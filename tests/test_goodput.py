@@ -39,6 +39,16 @@ def controller(cost: dict[int, float]) -> GoodputController:
     return ctl
 
 
+def with_quarter_second_levels(ctl: GoodputController) -> Drafter:
+    """A drafter whose every level costs 0.25 s (no fixed part) and reaches depth 1 three times in ten, depth 2 once."""
+    d = Drafter()
+    stats = ctl.stats(d)
+    stats.observe_cost(1, 0.25)
+    stats.observe_cost(2, 0.5)
+    stats.reach = [0.3, 0.1]
+    return d
+
+
 # --------------------------------------------------------------------------- the arithmetic
 
 
@@ -388,11 +398,8 @@ def test_a_row_that_does_not_draft_probes_its_likeliest_path_as_deep_as_it_may_d
     from specgraft.infer.goodput import PROBE_SHARE, SURE_LOSS_PROBE_SHARE
 
     # each forward token costs a forward (or half one): no depth pays
-    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * token_seconds}), Drafter()
-    stats = ctl.stats(d)
-    stats.observe_cost(1, 0.25)
-    stats.observe_cost(2, 0.5)  # 0.25 s a level
-    stats.reach = [0.3, 0.1]
+    ctl = controller({1: 1.0, 64: 1.0 + 63 * token_seconds})
+    d = with_quarter_second_levels(ctl)
     plans = []
     steps = 320 if token_seconds < 1 else 3000
     for _ in range(steps):
@@ -471,11 +478,8 @@ def test_rows_shorter_than_a_probes_wait_probe_all_the_same_at_phases_spread_by_
     that end sooner (a 64-token generation against 70 steps) would never probe, nor their drafter learn again."""
     from specgraft.infer.goodput import PROBE_SHARE
 
-    ctl, d = controller({1: 1.0, 64: 1.0 + 63 * 0.5}), Drafter()
-    stats = ctl.stats(d)
-    stats.observe_cost(1, 0.25)
-    stats.observe_cost(2, 0.5)
-    stats.reach = [0.3, 0.1]
+    ctl = controller({1: 1.0, 64: 1.0 + 63 * 0.5})
+    d = with_quarter_second_levels(ctl)
     every = 1.5 / PROBE_SHARE  # both levels at 0.75 tokens each
     probed = []
     for key in range(40):  # rows one after another, each for half a wait
@@ -489,12 +493,8 @@ def test_a_plan_that_drafts_no_row_stands_for_its_rows_until_a_row_is_due_or_wha
     """Steps that take the standing plan where there is one plan as steps that plan every time, probes included;
     a plan stands only for the rows' name it was made for, where it drafts none, while its inputs hold."""
     def make():
-        ctl, d = controller({1: 1.0, 64: 64.0}), Drafter()  # a level costs 1.25 tokens: no depth pays
-        stats = ctl.stats(d)
-        stats.observe_cost(1, 0.25)
-        stats.observe_cost(2, 0.5)
-        stats.reach = [0.3, 0.1]
-        return ctl, d
+        ctl = controller({1: 1.0, 64: 64.0})  # a level costs 1.25 tokens: no depth pays
+        return ctl, with_quarter_second_levels(ctl)
 
     (every_step, d1), (standing, d2) = make(), make()
     planned, taken, plans = [], [], 0
