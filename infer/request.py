@@ -58,6 +58,7 @@ class Request:
     draft: DraftState | None = None
     root: int | None = None
     drafted: bool = False  # this step's tree is its drafter's proposal (not the root alone)
+    draft_kv: int = 0  # its draft state's `cache_tokens` as it last moved (it moves only as the state drafts or is given)
     # Tokens given to its draft state since it last proposed (the prompt, then commits): what a drafter with a
     # cache catches up on in its next round, which the goodput controller's draft cost reads.
     behind: int = 0

@@ -55,9 +55,11 @@ T = TypeVar("T")
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
-# Rows of forwards' states held for rows' draft states (their commits of the root alone) before every row gives what
-# it kept and the forwards are let go (see `Scheduler._hold`): 7 MB of SmolLM2's three EAGLE-3 taps in float32.
-HELD_ROWS = 1024
+# Bytes of forwards' states held for rows' draft states (their commits of the root alone) before every row gives what
+# it kept and the forwards are let go (see `Scheduler._hold`): about 4,800 rows of SmolLM2's three EAGLE-3 taps in
+# float32, 64,000 of stories260K's one. Counted in rows (1,024), every row gave every 64 steps at batch 16: on
+# stories260K, where an EAGLE row never drafts there, 9 us a step of the 40 its rows cost beyond plain decoding.
+HELD_BYTES = 32 * 2**20
 # A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
 # pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
 OVERHEAD_CLIP = 2.0
@@ -172,12 +174,15 @@ class Scheduler:
         self._timings: list[tuple[float, int, tuple]] = []  # (start, `_changes` then, `_last_step`) of steps timed since
         self._changes = 0  # rows joined and left so far
         # The hidden states of the forwards whose roots rows keep for their draft states (see `_hold`): each forward's
-        # (layer -> (N, H) or (1, N, H), N); their rows so far (a kept root's index, all joined, is the rows before
-        # its forward's plus its start there); the last one held; and their join, (forwards joined, layer -> (rows, H)).
-        self._held: list[tuple[dict[int, torch.Tensor], int]] = []
-        self._held_rows = 0
+        # (layer -> (N, H) or (1, N, H), N), its states None once joined; their rows so far (a kept root's index, all
+        # joined, is the rows before its forward's plus its start there) and bytes; the last one held; and their join
+        # (see `_held_states`): layer -> (capacity, H) buffer, the forwards and rows in it.
+        self._held: list[tuple[dict[int, torch.Tensor] | None, int]] = []
+        self._held_rows = self._held_base = 0
+        self._held_bytes = 0
         self._held_last: dict[int, torch.Tensor] | None = None
-        self._held_joined: tuple[int, dict[int, torch.Tensor]] | None = None
+        self._joined: dict[int, torch.Tensor] = {}
+        self._joined_forwards = self._joined_rows = 0
         self._holding = 0  # rows that kept roots not given yet: none, and the held forwards are let go
         self._next_handle = 0
 
@@ -331,6 +336,7 @@ class Scheduler:
             else:
                 request.draft = request.drafter.start(request.prompt_ids, hidden)
             request.behind = len(request.prompt_ids)
+            request.draft_kv = request.draft.cache_tokens()
         last = out.logits[0, -1]  # (V,)
         sampling = request.sampling
         request.root = int(sampling.ban(last).argmax()) if sampling.greedy else sampling.draw_one(sampling.probs(last))
@@ -370,7 +376,7 @@ class Scheduler:
                 logits, hidden, start = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, start, events))
-        if self._held_rows >= HELD_ROWS:  # every row gives what it kept: the forwards' outputs are let go
+        if self._held_bytes >= HELD_BYTES:  # every row gives what it kept: the forwards' outputs are let go
             self._give_held(events)
         if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
             # (a step that timed the target's cost curve, seconds once per target, is no step's work) observed from
@@ -545,7 +551,9 @@ class Scheduler:
     ) -> None:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens.
         ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`)."""
-        kv_peak = prefix + tree.num_nodes + (request.draft.cache_tokens() if request.draft is not None else 0)
+        if request.drafted:
+            request.draft_kv = request.draft.cache_tokens()
+        kv_peak = prefix + tree.num_nodes + request.draft_kv
         accepted = accept(tree, logits, request.sampling, request.acceptance)
         count = accepted.path.numel()
         if tree.is_chain:  # the accepted path is its first nodes, in their slots already: a crop, no gather
@@ -562,13 +570,14 @@ class Scheduler:
                     self._hold(hidden, self._forward_tokens or tree.num_nodes)  # (Hugging Face's: a row a forward)
                 if not request.deferred:
                     self._holding += 1
-                request.deferred.append(self._held_rows - self._held[-1][1] + start)  # the rows before its forward's
+                request.deferred.append(self._held_base + start)
                 request.deferred_roots.append(request.root)
             else:
                 self._give_deferred(request)
                 states = _row_states(hidden, request.hidden_layers, start, tree.num_nodes)
                 request.draft.commit(tokens, states if whole else {i: h[path] for i, h in states.items()},
                                      accepted.path if request.drafted else None)
+                request.draft_kv = request.draft.cache_tokens()
             request.behind += count
         request.root = accepted.next_token
         if self.controller is not None and tree.num_nodes > 1:
@@ -586,29 +595,42 @@ class Scheduler:
         its draft state's commit every step: its states' views and a call. It keeps its root and its row's index in
         the held states instead, two ints, and gives them all as one commit when it next drafts (every `DraftState`
         keeps a run of commits as it keeps one commit of them all), its states gathered from the held forwards'
-        join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_ROWS` rows of
+        join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_BYTES` of
         them (every row then gives what it kept). EAGLE on stories260K, never drafting, over plain (medians of paired
         blocks of steps): 26 us a step at batch 16 and 8 at batch 1, against 42-50 and 12 us keeping a tuple a row
         a step (its tokens, every row's states split apart, its row there), given 32 at a time.
         """
         self._held.append((hidden, rows))
         self._held_last = hidden
+        self._held_base = self._held_rows  # the rows before this forward's: a kept root's index is this plus its start
         self._held_rows += rows
+        for states in hidden.values():
+            self._held_bytes += states.nbytes
 
     def _held_states(self) -> dict[int, torch.Tensor]:
-        """The held forwards' states joined: layer -> (rows, H), a row's index there as kept (see `_hold`). A forward
-        without some layer (no row in it reads that layer) holds rows of nothing there, which no row reads."""
-        joined = self._held_joined
-        if joined is None or joined[0] != len(self._held):
-            layers = {i for hidden, _ in self._held for i in hidden}
-            like = {i: next(h[i] for h, _ in self._held if i in h) for i in layers}
-            joined = (len(self._held), {
-                i: torch.cat([h[i].reshape(rows, -1) if i in h else like[i].new_empty(rows, like[i].shape[-1])
-                              for h, rows in self._held])
-                for i in layers
-            })
-            self._held_joined = joined
-        return joined[1]
+        """The held forwards' states joined: layer -> (rows, H), a row's index there as kept (see `_hold`).
+
+        Each forward is copied into the join once, at the first give after it was held, and then let go: a give
+        copies only the forwards held since the last (joined anew at every give, a batch whose rows drafted now and
+        then copied every held row again each time). A forward without some layer (no row in it reads that layer)
+        leaves rows of nothing there, which no row reads."""
+        joined = self._joined
+        for k in range(self._joined_forwards, len(self._held)):
+            hidden, rows = self._held[k]
+            at = self._joined_rows
+            for i, h in hidden.items():
+                flat = h.reshape(rows, -1)
+                buffer = joined.get(i)
+                if buffer is None or buffer.shape[0] < at + rows:  # grown by doubling: a row is copied O(1) times
+                    grown = flat.new_empty(max(at + rows, 2 * (0 if buffer is None else buffer.shape[0])), flat.shape[1])
+                    if buffer is not None:
+                        grown[:at] = buffer[:at]
+                    joined[i] = buffer = grown
+                buffer[at : at + rows] = flat
+            self._held[k] = (None, rows)
+            self._joined_rows += rows
+        self._joined_forwards = len(self._held)
+        return joined
 
     def _give_deferred(self, request: Request) -> bool:
         """Give the row's draft state the roots it kept (see `_hold`), joined into one commit; True."""
@@ -621,6 +643,7 @@ class Scheduler:
             if not self._holding:
                 self._let_go_held()
             request.draft.commit(torch.tensor(roots, device=self.target.device), states)
+            request.draft_kv = request.draft.cache_tokens()
         return True
 
     def _give_held(self, events: list[Event]) -> None:
@@ -632,7 +655,8 @@ class Scheduler:
 
     def _let_go_held(self) -> None:
         """Let the held forwards go: no row keeps a root of them (see `_hold`)."""
-        self._held, self._held_rows, self._held_last, self._held_joined = [], 0, None, None
+        self._held, self._held_rows, self._held_base, self._held_bytes, self._held_last = [], 0, 0, 0, None
+        self._joined, self._joined_forwards, self._joined_rows = {}, 0, 0
         self._holding = 0
 
     def _emit(self, request: Request, kept: list[int], events: list[Event]) -> None:

@@ -811,12 +811,13 @@ def assert_given_in_order_once(target, recorder: Recorder, prompt: list[int], ge
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_row_that_does_not_draft_gives_its_commits_when_it_next_drafts_as_one(stories, monkeypatch, batch):
     """Its draft state gets the steps' tokens and target states in order, each once, joined in one commit before it
-    next proposes (or once `HELD_ROWS` rows of the forwards' states are held); the commit of a step it drafted carries
+    next proposes (or once `HELD_BYTES` of the forwards' states are held); the commit of a step it drafted carries
     that step's path."""
     from specgraft.infer import scheduler as scheduler_module
 
     draft_every(monkeypatch, 5, levels=1)
-    monkeypatch.setattr(scheduler_module, "HELD_ROWS", 3 * batch)  # three forwards of roots alone
+    row_bytes = stories.config.hidden_size * 4  # a token's states at one layer, in float32
+    monkeypatch.setattr(scheduler_module, "HELD_BYTES", 3 * batch * row_bytes)  # three forwards of roots alone
     layer = stories.num_layers
     recorders = [Recorder(layer) for _ in range(batch)]
     sched = sg.Scheduler(stories, {f"r{i}": r for i, r in enumerate(recorders)}, max_batch_size=batch)
@@ -840,7 +841,8 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     from specgraft.infer import scheduler as scheduler_module
 
     draft_every(monkeypatch, 5, levels=1)
-    monkeypatch.setattr(scheduler_module, "HELD_ROWS", 10)  # every three or four forwards
+    row_bytes = stories.config.hidden_size * 4  # a token's states at one layer, in float32
+    monkeypatch.setattr(scheduler_module, "HELD_BYTES", 10 * 2 * row_bytes)  # every three or four forwards (two layers)
     last, early = Recorder(stories.num_layers), Recorder(2)
     late = Recorder(1)  # a layer no other row reads: the forwards before it joined hold none of it
     sched = sg.Scheduler(stories, {"last": last, "early": early, "late": late, "guesses": Guesses()}, max_batch_size=4)
@@ -850,16 +852,18 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     prompts = {name: stories.encode(text) for name, text in texts.items()}
     handles = {name: sched.submit(prompts[name], 21, drafter=name, tree=sg.Adaptive(), eos_token_id=())
                for name in ("last", "early", "guesses")}
-    held = []  # rows of states held after each step
+    held = []  # bytes of states held after each step
     for _ in range(6):
         driver.step()
-        held.append(sched._held_rows)
+        held.append(sched._held_bytes)
     handles["late"] = sched.submit(prompts["late"], 21, drafter="late", tree=sg.Adaptive(), eos_token_id=())
     while not all(driver.finished(h) for h in handles.values()):
         driver.step()
-        held.append(sched._held_rows)
+        held.append(sched._held_bytes)
     # let go when every row has given (all draft on every fifth step), or at the cap; never beyond a forward past it
-    assert held[4] == 0 and held.count(0) >= 4 and max(held) < 10 + 4 and max(held) >= 6
+    # (four rows, three layers)
+    cap = 10 * 2 * row_bytes
+    assert held[4] == 0 and held.count(0) >= 4 and max(held) < cap + 4 * 3 * row_bytes and max(held) >= 6 * 2 * row_bytes
     for name, recorder in (("last", last), ("early", early), ("late", late)):
         assert_given_in_order_once(stories, recorder, prompts[name], driver.result(handles[name]).token_ids)
     assert not sched._held  # idle: nothing held

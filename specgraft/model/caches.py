@@ -198,6 +198,9 @@ class BatchedKVCache:
     ) -> None:
         self.kv = torch.zeros(num_layers, 2, rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.views: list[StaticKVCache | None] = [None] * rows  # the sequence cache in each row, None when free
+        # Each row's storage views, (kv, keys by layer, values by layer), made on its first acquire: a sequence takes a
+        # row per request, and splitting a row's layers anew cost 10 us of a 17 us acquire (stories260K's head).
+        self._row_views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None] = [None] * rows
         self._slots: torch.Tensor | None = None  # (B, Hkv, T, D) write index of the forward in progress
         self._width = 0  # slots the forward in progress attends over: max start + T
 
@@ -219,8 +222,12 @@ class BatchedKVCache:
             raise RuntimeError(f"row {row} of the batched KV cache is in use")
         layers, _, _, heads, slots, dim = self.kv.shape
         view = StaticKVCache(layers, heads, dim, max_len=slots, dtype=self.kv.dtype, device=self.kv.device)
-        view.kv = self.kv[:, :, row : row + 1]  # (layers, 2, 1, Hkv, C, D): writes land in the shared storage
-        view.keys, view.values = list(view.kv[:, 0]), list(view.kv[:, 1])
+        views = self._row_views[row]
+        if views is None:
+            kv = self.kv[:, :, row : row + 1]  # (layers, 2, 1, Hkv, C, D): writes land in the shared storage
+            views = self._row_views[row] = (kv, list(kv[:, 0]), list(kv[:, 1]))
+        view.kv, keys, values = views
+        view.keys, view.values = list(keys), list(values)  # copies of the lists: a cache never shares its own
         self.views[row] = view
         return row, view
 
