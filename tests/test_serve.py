@@ -456,6 +456,31 @@ def test_bench_server_pools_its_rounds_of_each_level(server, tmp_path, capsys):
     assert "--rounds applies to --server and --batch-size" in capsys.readouterr().err
 
 
+def test_bench_server_pairs_each_rounds_pass_with_speculation_on_with_its_pass_off(server, tmp_path, monkeypatch):
+    """The paired ratio is off's wall time over on's, round by round, as a median and quartiles (on the "on" row)."""
+    from specgraft.cli import main
+    from specgraft.tools import bench_server as module
+
+    real = module.run_level
+    walls = {True: iter([2.0, 2.0, 2.0]), False: iter([1.0, 2.0, 4.0])}  # off, on: ratios 2, 1 and 0.5
+
+    async def timed(client, model, prompts, level, max_tokens, speculative):
+        timings, _ = await real(client, model, prompts, level, max_tokens, speculative)
+        return timings, next(walls[speculative["drafter"] == "none"])
+
+    monkeypatch.setattr(module, "run_level", timed)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--server", server.url, "--concurrency", "1", "--rounds", "3", "--prompts", str(prompts),
+                 "--max-new-tokens", "4", "--out", str(out)]) == 0
+    off, on = json.loads((out / "results.json").read_text())["levels"]
+    assert "paired_vs_off_p50" not in off
+    assert (on["paired_vs_off_p25"], on["paired_vs_off_p50"], on["paired_vs_off_p75"]) == (0.75, 1.0, 1.5)
+    assert on["total_tokens_per_s"] / off["total_tokens_per_s"] == pytest.approx(6 / 7)  # pooled: 6 s off, 7 s on
+    assert "| 1 | 0.857x | 1.000x (0.750-1.500) |" in (out / "results.md").read_text()
+
+
 def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):
     from specgraft.cli import main
     from specgraft.tools.bench_server import parse_concurrency

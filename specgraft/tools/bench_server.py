@@ -18,6 +18,9 @@ DESIGN.md asks:
   tokens arrive together), pooled over a level's requests.
 - per-request tokens/s: completion tokens / the request's wall time (median).
 - total tokens/s: all completion tokens of the level / the level's wall time (summed over its rounds).
+- paired: speculation off's wall time over on's, round by round (the two passes of a round run back to back and,
+  greedy with the same budgets, make the same tokens), as a median and quartiles: a burst of load moves a pooled
+  total by all of it, a median of pairs hardly (served on stories260K, a pass moved by 15-20% from round to round).
 
 Greedy outputs with speculation on must equal those with it off (lossless);
 a difference is listed and makes the command return 1. Writes
@@ -154,11 +157,13 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
     rows, mismatches, passes = [], [], 0
     for level in levels:
         pooled: dict[str, tuple[list[RequestTiming], float]] = {mode: ([], 0.0) for mode in MODES}
+        ratios = []  # off's wall time over on's, a round each
         for _ in range(rounds):
             texts: dict[str, list[str]] = {}
+            walls: dict[str, float] = {}
             for mode in MODES if passes % 2 == 0 else MODES[::-1]:
                 timings, wall = await run_level(client, model, prompts, level, max_tokens, speculative[mode])
-                texts[mode] = [t.text for t in timings]
+                texts[mode], walls[mode] = [t.text for t in timings], wall
                 pooled[mode] = (pooled[mode][0] + timings, pooled[mode][1] + wall)
                 if progress:
                     r = summarize(timings, wall)
@@ -167,7 +172,13 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
             passes += 1
             mismatches += [{"concurrency": level, "prompt": n}
                            for n, (a, b) in enumerate(zip(texts["on"], texts["off"])) if a != b]
+            if walls["on"] > 0:
+                ratios.append(walls["off"] / walls["on"])
         rows += [{"concurrency": level, "speculative": mode, "rounds": rounds, **summarize(*pooled[mode])} for mode in MODES]
+        if ratios:
+            ratios.sort()
+            rows[-1].update(paired_vs_off_p25=percentile(ratios, 0.25), paired_vs_off_p50=percentile(ratios, 0.5),
+                            paired_vs_off_p75=percentile(ratios, 0.75))
     await client.close()
     rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["speculative"])))
     return {
@@ -175,7 +186,8 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
                      "concurrency": list(levels), "rounds": rounds, "decoding": "greedy, streamed",
                      "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
                      "request_tokens_per_s": "median over requests of completion tokens / request wall time",
-                     "total_tokens_per_s": "completion tokens of the level / level wall time"},
+                     "total_tokens_per_s": "completion tokens of the level / level wall time",
+                     "paired_vs_off": "off's wall time over on's, round by round: median and quartiles"},
         "levels": rows,
         "greedy_identical": not mismatches,
         "mismatches": mismatches,
@@ -203,6 +215,15 @@ def server_markdown(results: Mapping[str, Any]) -> str:
             f"{r['total_tokens_per_s']:.1f} | {per_call} |"
         )
     lines += ["", "tok/call: completion tokens per target forward, prefill included.", ""]
+    on = [r for r in results["levels"] if r["speculative"] == "on" and "paired_vs_off_p50" in r]
+    if on:
+        off = {r["concurrency"]: r["total_tokens_per_s"] for r in results["levels"] if r["speculative"] == "off"}
+        lines += ["Speculation on against off: pooled total tokens/s, and paired (off's wall time over on's, round by "
+                  "round; median and quartiles):", "", "| concurrency | total | paired |", "|---:|---:|---:|"]
+        lines += [f"| {r['concurrency']} | {r['total_tokens_per_s'] / max(off[r['concurrency']], 1e-9):.3f}x | "
+                  f"{r['paired_vs_off_p50']:.3f}x ({r['paired_vs_off_p25']:.3f}-{r['paired_vs_off_p75']:.3f}) |"
+                  for r in on]
+        lines.append("")
     return "\n".join(lines)
 
 
