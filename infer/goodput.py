@@ -66,7 +66,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from specgraft.model import Segment, Target
+from specgraft.model import Target
 from specgraft.tree import ROOT_PARENT, Tree, subtree, tree_attention_mask, tree_position_ids
 
 # Step costs are learned as exponential moving averages with this weight on the newest observation.
@@ -110,7 +110,6 @@ PROBE_SHARE = 0.01
 # accepted, so its probes only time the drafter again (the load moves prices). EAGLE on stories260K at batch 1, a level
 # at 1.4 tokens, probed every 141 steps: 1% of its time, a third of what it kept below plain.
 SURE_LOSS_PROBE_SHARE = PROBE_SHARE / 10
-PACKED_ROWS = 8  # one-token rows of the packed forwards timed at start-up for ``StepCost.packed_ratio``
 GOLDEN = (math.sqrt(5) - 1) / 2  # row keys times this, modulo 1, spread the rows' probe phases evenly
 # Verified trees their drafters learn from in one pass, once this many are queued (or a row leaves): a drafter's
 # calibration and reach by depth, node by node, cost a drafting row 10-15 us a drafted step in place (stories260K,
@@ -131,23 +130,17 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    # A forward that pays for trees takes this much longer than its tokens alone, a step the curve of causal tokens
-    # cannot hold. A row alone verifies a branching tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16
-    # times 4 causal tokens, three start-ups; SmolLM2 1.00-1.38, five): ``tree_ratio``. Packed, any row of more than
-    # one token also leaves the one SDPA call of the one-token rows (16 rows: 2.06 ms with one chain of 2 against
-    # 1.66 ms without, benchmarks/tree_in_batch.py; SmolLM2, 16 rows after 200 tokens: 109 ms against 104, where the
-    # curve adds 1.3% for the token): ``packed_ratio``. Each is timed once at start-up (``trees_seen``: a row alone;
-    # ``packed_seen``: 8 rows, on a target with a batched cache), then learned from the forwards of its kind with
-    # trees against ``scale``. One ratio for both priced the first level a row drafts under load from a row alone:
-    # SmolLM2 at batch 16 drafted where the level cost two to three times its price.
+    # A forward that pays for trees takes this much longer than its tokens alone. A row alone verifies a branching
+    # tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three start-ups;
+    # SmolLM2 1.00-1.38, five); packed, any row of more than one token also leaves the one SDPA call of the one-token
+    # rows (16 rows: 2.06 ms with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the
+    # curve of causal tokens cannot hold: timed once at start-up on a row alone (``trees_seen``), then learned from the forwards
+    # with trees against ``scale``.
     tree_ratio: float = 1.0
     trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
-    packed_ratio: float = 1.0
-    packed_seen: bool = False  # the same for packed_ratio
-    # (tokens, seconds) of forwards since the last rescale: without trees, with trees on a row alone, and packed.
+    # (tokens, seconds) of forwards since the last rescale, without trees and with.
     observed: list[tuple[int, float]] = field(default_factory=list)
     observed_trees: list[tuple[int, float]] = field(default_factory=list)
-    observed_packed: list[tuple[int, float]] = field(default_factory=list)
     # A step's time beyond its forward and its drafting (planning, selection, tree masks, acceptance, gathers, commits,
     # and whatever runs between steps: a generator's or a server's handling of the tokens), fitted to observed steps as
     # per_step + per_row * rows + per_drafted * rows verifying a tree (see `observe_overhead`). Every token a step
@@ -164,21 +157,19 @@ class StepCost:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
         self._base: dict[int, float] = {}  # n -> T(n) at scale 1, as read off the points (selection asks per node)
-        self._priced_at = self._checked = (self.scale, self.tree_ratio, self.packed_ratio, self.per_step, self.per_row,
-                                           self.per_drafted)
+        self._priced_at = self._checked = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
 
     def price_point(self) -> tuple[float, ...]:
-        """(scale, tree ratio, packed ratio, work per step, per row, per drafted row) as plans were last priced: held
-        until one moves by `PRICE_TOLERANCE` (the works: of T(1))."""
-        now = (self.scale, self.tree_ratio, self.packed_ratio, self.per_step, self.per_row, self.per_drafted)
+        """(scale, tree ratio, work per step, per row, per drafted row) as plans were last priced: held until one
+        moves by `PRICE_TOLERANCE` (the works: of T(1))."""
+        now = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
         held = self._priced_at
         if now == self._checked:  # nothing moved since the last check (they move every `RESCALE_EVERY` steps)
             return held
         self._checked = now
         work = PRICE_TOLERANCE * self._ys[0] * self.scale
-        if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0]
-                or any(abs(a - b) > PRICE_TOLERANCE for a, b in zip(now[1:3], held[1:3]))
-                or any(abs(a - b) > work for a, b in zip(now[3:], held[3:]))):
+        if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0] or abs(now[1] - held[1]) > PRICE_TOLERANCE
+                or any(abs(a - b) > work for a, b in zip(now[2:], held[2:]))):
             self._priced_at = now
         return self._priced_at
 
@@ -186,10 +177,9 @@ class StepCost:
         """Seconds of a step over ``rows`` rows beyond its forward, where no row drafts (see ``per_step``)."""
         return max(self.per_step + self.per_row * rows, 0.0)
 
-    def tree_penalty(self, n: int, packed: bool = False) -> float:
-        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree: a row alone's
-        (``tree_ratio``), or ``packed`` beside others (``packed_ratio``)."""
-        return self(n) * max((self.packed_ratio if packed else self.tree_ratio) - 1.0, 0.0)
+    def tree_penalty(self, n: int) -> float:
+        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
+        return self(n) * max(self.tree_ratio - 1.0, 0.0)
 
     @classmethod
     def measure(cls, target: Target) -> StepCost:
@@ -218,14 +208,7 @@ class StepCost:
                 times[n].append(_timed(lambda: target.forward(ids[None], cache, positions), cache, cached))
             rep += 1
         points = {n: min(t[1:]) for n, t in times.items()}
-        cost = cls(rising_times(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
-        rows = target.new_batched_cache(PACKED_ROWS, cached + 2)
-        if rows is not None:  # Hugging Face's forward verifies every row alone: nothing is packed
-            cost.packed_ratio, cost.packed_seen = _packed_ratio(target, rows, prefix) * cost(PACKED_ROWS) / cost(
-                PACKED_ROWS + 1), True
-            cost.packed_ratio = max(cost.packed_ratio, 1.0)
-            cost._priced_at = cost._checked = cost.price_point()
-        return cost
+        return cls(rising_times(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
 
     def __call__(self, n: int) -> float:
         base = self._base.get(n)
@@ -281,30 +264,26 @@ class StepCost:
         else:
             self.per_row, self.per_step = rest / max(mr, 1.0), 0.0
 
-    def observe(self, n: int, seconds: float, trees: bool = False, packed: bool = False) -> None:
+    def observe(self, n: int, seconds: float, trees: bool = False) -> None:
         """A step's forward over ``n`` tokens took ``seconds``; ``trees``: it paid for trees (a mask, or packed rows
-        of more than one token; see `GoodputController.chains_unmasked`), ``packed`` beside other rows.
+        of more than one token; see `GoodputController.chains_unmasked`).
 
         Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their median observed / predicted (the
         machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
-        their kind's ratio; and that ratio moves toward their median observed / predicted without it (set outright by
+        ``tree_ratio``; and ``tree_ratio`` moves toward their median observed / predicted without it (set outright by
         the first ones where it was not timed at start-up).
         """
-        observed = (self.observed_packed if packed else self.observed_trees) if trees else self.observed
+        observed = self.observed_trees if trees else self.observed
         observed.append((n, seconds))
         if len(observed) < RESCALE_EVERY:
             return
         base = [(self(m) / self.scale, t) for m, t in observed]  # (T at scale 1, seconds)
         observed.clear()
         if trees:  # the median: a forward's first trees run cold
-            seen = self.packed_seen if packed else self.trees_seen
-            a = EMA if seen else 1.0
-            learned = statistics.median(t / (p * self.scale) for p, t in base)
-            if packed:
-                self.packed_seen, self.packed_ratio = True, (1 - a) * self.packed_ratio + a * learned
-            else:
-                self.trees_seen, self.tree_ratio = True, (1 - a) * self.tree_ratio + a * learned
-        ratio = (self.packed_ratio if packed else self.tree_ratio) if trees else 1.0
+            a = EMA if self.trees_seen else 1.0
+            self.trees_seen = True
+            self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
+        ratio = self.tree_ratio if trees else 1.0
         # The median, as for trees: the machine's load moves the scale, a forward preempted once does not (one such
         # among eight moved their mean by an eighth of its delay, and plans were priced again every few dozen steps).
         self.scale = (1 - EMA) * self.scale + EMA * statistics.median(t / (p * ratio) for p, t in base)
@@ -329,38 +308,6 @@ def _tree_ratio(target: Target, cache: Any, cached: int) -> float:
         tree_times.append(_timed(tree, cache, cached))
         causal_times.append(_timed(lambda: target.forward(tokens[None], cache, causal), cache, cached))
     return max(min(tree_times[1:]) / min(causal_times[1:]), 1.0)  # the first of each warms up
-
-
-def _packed_ratio(target: Target, rows: Any, prefix: torch.Tensor) -> float:
-    """A packed forward of `PACKED_ROWS` one-token rows with one of them 2 tokens (a chain), over the same rows all of
-    one token, each after ``prefix``, timed in turns, the fastest of each: the first level a row drafts under load."""
-    device = target.device
-    cached = len(prefix)
-    views = [rows.acquire()[1] for _ in range(PACKED_ROWS)]
-    for view in views:
-        target.forward(prefix[None], view, torch.arange(cached, device=device)[None])
-    plain = [Segment(row, 1, None) for row in range(PACKED_ROWS)]
-    chain = [Segment(0, 2, None)] + plain[1:]
-    inputs = {  # tokens -> (ids, positions): every row at its next position, the chain's second token after it
-        PACKED_ROWS: (_filler(target, PACKED_ROWS), torch.full((PACKED_ROWS,), cached, device=device)),
-        PACKED_ROWS + 1: (_filler(target, PACKED_ROWS + 1),
-                          torch.tensor([cached, cached + 1] + [cached] * (PACKED_ROWS - 1), device=device)),
-    }
-
-    def forward(segments: list) -> float:
-        ids, positions = inputs[sum(s.size for s in segments)]
-        start = time.perf_counter()
-        target.forward_packed(ids, rows, segments, positions)
-        elapsed = time.perf_counter() - start
-        for view in views:
-            view.crop(cached)
-        return elapsed
-
-    with_chain, without = [], []
-    for _ in range(2 * COST_REPEATS + 1):
-        with_chain.append(forward(chain))
-        without.append(forward(plain))
-    return min(with_chain[1:]) / min(without[1:])  # the first of each warms up
 
 
 def _filler(target: Target, n: int) -> torch.Tensor:
@@ -857,7 +804,7 @@ class GoodputController:
             goodput = batch / (base + cost.overhead(batch))  # committed tokens per second of plain decoding at this batch
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
-            fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch, packed=True))
+            fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch))
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             levels = [0.0] + [goodput * (fixed + stats.cost_of(d) + cost(batch + d) - base)
                               for d in range(1, len(prior) + 2)]
@@ -944,7 +891,7 @@ class GoodputController:
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
         # branches, where chains run unmasked), the forward's penalty.
         chains_free = self.chains_unmasked(len(candidates))
-        penalty = cost.tree_penalty(tokens, packed=not chains_free)
+        penalty = cost.tree_penalty(tokens)
         paid = any(not (chains_free and t.is_chain) for t in fixed)
         extra = cost.overhead(len(candidates)) + cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
@@ -1005,7 +952,7 @@ class GoodputController:
         cost = self.cost
         if cost is not None:
             if tokens:
-                cost.observe(tokens, forward, trees=masked, packed=rows > 1)
+                cost.observe(tokens, forward, trees=masked)
             if overhead is not None:
                 cost.observe_overhead(rows, drafted, overhead)
 

@@ -124,9 +124,9 @@ def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
     assert cost.tree_penalty(16) == 0.0  # no forward with a tree seen: no penalty
     for _ in range(RESCALE_EVERY):
         cost.observe(16, 1.0)
-        cost.observe(17, 1.3, trees=True)  # a tree on a row alone: 30% longer
+        cost.observe(17, 1.3, trees=True)  # a tree in the batch: 30% longer
     assert cost.tree_ratio == pytest.approx(1.3) and cost.scale == pytest.approx(1.0)
-    assert cost.tree_penalty(16) == pytest.approx(0.3) and cost.tree_penalty(16, packed=True) == 0.0
+    assert cost.tree_penalty(16) == pytest.approx(0.3)
     for _ in range(RESCALE_EVERY * 60):  # the machine slows down twofold: both kinds of forward take twice as long
         cost.observe(16, 2.0)
         cost.observe(17, 2.6, trees=True)
@@ -134,24 +134,9 @@ def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
     assert cost.tree_penalty(16) == pytest.approx(0.6, rel=1e-2)
 
 
-def test_packed_forwards_with_trees_teach_their_own_penalty_and_leave_a_row_alones():
-    """A tree beside other rows costs what it costs there (the one-token rows leave their single attention call),
-    not what a row alone's masked tree costs: each ratio learns from its own kind of forward."""
-    cost = StepCost({1: 1.0, 64: 1.0}, tree_ratio=1.1, trees_seen=True)
-    for _ in range(RESCALE_EVERY):
-        cost.observe(16, 1.0)
-        cost.observe(17, 1.4, trees=True, packed=True)
-    assert cost.packed_ratio == pytest.approx(1.4) and cost.packed_seen  # set outright: none timed at start-up
-    assert cost.tree_ratio == pytest.approx(1.1)  # a row alone's is untouched
-    assert cost.tree_penalty(16, packed=True) == pytest.approx(0.4) and cost.tree_penalty(16) == pytest.approx(0.1)
-    for _ in range(RESCALE_EVERY):
-        cost.observe(17, 1.2, trees=True, packed=True)
-    assert cost.packed_ratio == pytest.approx(0.8 * 1.4 + 0.2 * 1.2)  # seen: later ones move it by EMA
-
-
 def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
-    ctl.cost.packed_ratio = 1.5  # the first tree beside other rows adds half a forward
+    ctl.cost.tree_ratio = 1.5  # the first tree adds half a forward
     plain = Candidate(9, d, tree_of([-1]), True)
     strong = tree_of([-1, 0, 1], logp=[0.0, math.log(0.9), math.log(0.8)])
     weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.6), math.log(0.3)])
@@ -159,26 +144,21 @@ def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
     assert ctl.select([Candidate(0, d, weak, True), plain])[0].num_nodes == 1  # 2.9 in 1.5 s do not
     two = ctl.select([Candidate(0, d, weak, True), Candidate(1, d, weak, True)])  # 3.8 in 1.5 s: the penalty is shared
     assert [t.num_nodes for t in two.values()] == [3, 3]
-    ctl.cost.tree_ratio = 1.5  # a row alone pays its own ratio for a branch; a chain alone pays none
-    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # alone: 1.9 tokens in 1 s beat 1 in 1
-    fork = tree_of([-1, 0, 0], logp=[0.0, math.log(0.6), math.log(0.3)])
-    assert ctl.select([Candidate(0, d, fork, True)])[0].num_nodes == 2  # its second branch: 0.3 tokens for half
-    ctl.cost.tree_ratio = 1.0
-    assert ctl.select([Candidate(0, d, fork, True)])[0].num_nodes == 3  # the packed ratio does not price it
+    assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # alone: 1.9 tokens in 1.5 s beat 1 in 1
     stats = ctl.stats(d)
     for _ in range(10):
         stats.observe_cost(1, 0.01)
         stats.observe_cost(2, 0.02)
     stats.reach = [0.9]
     assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 0, 1: 0}  # 0.9 tokens do not repay half a forward each
-    ctl.cost.packed_ratio = 1.0
+    ctl.cost.tree_ratio = 1.0
     assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 1, 1: 1}
 
 
 def test_a_chain_verified_alone_runs_unmasked_and_pays_no_tree_penalty():
     """A row verified alone runs a chain as causal tokens: only a branch (or a packed batch) pays the penalty."""
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
-    ctl.cost.tree_ratio = ctl.cost.packed_ratio = 1.5  # a tree adds half a forward, alone or packed
+    ctl.cost.tree_ratio = 1.5  # a tree adds half a forward
     weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.3), math.log(0.1)])  # 0.4 tokens: not worth half a forward
     fork = tree_of([-1, 0, 0], logp=[0.0, math.log(0.3), math.log(0.1)])
     assert ctl.select([Candidate(0, d, weak, True)])[0].num_nodes == 3  # alone, a chain: 1.4 tokens in 1 s
@@ -282,7 +262,6 @@ def test_the_step_cost_is_timed_within_a_short_context():
     cost = StepCost.measure(target)  # 40 positions: 20 cached, then N up to 20
     assert max(cost.points) == 16 and all(b >= a for a, b in zip(cost._ys, cost._ys[1:]))
     assert cost.trees_seen and cost.tree_ratio >= 1.0  # a masked tree of 4 timed too: the ratio's starting point
-    assert cost.packed_seen and cost.packed_ratio >= 1.0  # and 8 packed rows, one of them a chain of 2
 
 
 def test_selection_keeps_every_node_when_verifying_is_free_and_none_when_each_token_costs_a_forward():
