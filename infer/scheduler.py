@@ -60,6 +60,9 @@ NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has 
 # float32, 64,000 of stories260K's one. Counted in rows (1,024), every row gave every 64 steps at batch 16: on
 # stories260K, where an EAGLE row never drafts there, 9 us a step of the 40 its rows cost beyond plain decoding.
 HELD_BYTES = 32 * 2**20
+# ... or rows, whichever comes first: a drafter that reads no states (prompt lookup) holds no bytes, yet its rows' kept
+# roots and the list of held forwards grow a step at a time (a server's rows that never all leave at once).
+HELD_ROWS = 65536
 # A step's work beyond its forward and drafting counts at most this many times them in the controller's fit: one
 # pause (a garbage collection, a server thread holding the interpreter) must not price a memory of steps.
 OVERHEAD_CLIP = 2.0
@@ -376,7 +379,7 @@ class Scheduler:
                 logits, hidden, start = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
                 self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, start, events))
-        if self._held_bytes >= HELD_BYTES:  # every row gives what it kept: the forwards' outputs are let go
+        if self._held_bytes >= HELD_BYTES or self._held_rows >= HELD_ROWS:  # every row gives what it kept: let go
             self._give_held(events)
         if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
             # (a step that timed the target's cost curve, seconds once per target, is no step's work) observed from
@@ -596,7 +599,7 @@ class Scheduler:
         the held states instead, two ints, and gives them all as one commit when it next drafts (every `DraftState`
         keeps a run of commits as it keeps one commit of them all), its states gathered from the held forwards'
         join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_BYTES` of
-        them (every row then gives what it kept). EAGLE on stories260K, never drafting, over plain (medians of paired
+        them or `HELD_ROWS` rows (every row then gives what it kept). EAGLE on stories260K, never drafting, over plain (medians of paired
         blocks of steps): 26 us a step at batch 16 and 8 at batch 1, against 42-50 and 12 us keeping a tuple a row
         a step (its tokens, every row's states split apart, its row there), given 32 at a time.
         """

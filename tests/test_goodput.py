@@ -869,6 +869,25 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     assert not sched._held  # idle: nothing held
 
 
+def test_rows_whose_drafter_reads_no_states_keep_their_roots_to_a_cap_in_rows(stories, monkeypatch):
+    """A drafter that reads no states holds no bytes, yet its rows' kept roots and the held forwards grow a step at a
+    time: past `HELD_ROWS` rows every row gives what it kept and the forwards are let go."""
+    from specgraft.infer import scheduler as scheduler_module
+
+    draft_every(monkeypatch, 1000, levels=1)  # no row drafts
+    monkeypatch.setattr(scheduler_module, "HELD_ROWS", 6)
+    sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=2)
+    driver = Driver(sched)
+    handles = [sched.submit(stories.encode(text), 20, drafter="guesses", tree=sg.Adaptive(), eos_token_id=())
+               for text in ("Once upon a time", "The sun was hot")]
+    held = []
+    while not all(driver.finished(h) for h in handles):
+        driver.step()
+        held.append((sched._held_rows, len(sched._held)))
+    assert max(rows for rows, _ in held) == 4 and max(forwards for _, forwards in held) == 2  # given at 6: two a step
+    assert held.count((0, 0)) >= 5 and not sched._held
+
+
 def test_commits_folded_in_runs_draft_as_one_commit_of_them_all(stories, trained_eagle):
     """Forty one-token commits (folded at `PENDING_COMMITS` and at the round) draft the tree one commit of all forty does."""
     eagle = sg.load_drafter(trained_eagle, stories)
