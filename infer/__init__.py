@@ -5,7 +5,7 @@ from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_pro
 from specgraft.infer.goodput import GoodputController
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
-from specgraft.infer.stats import GenerationStats, percentile
+from specgraft.infer.stats import GenerationStats, percentile, quartiles
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, AcceptRule, greedy_accept, is_lossless, lossy_typical_accept, sample_accept
 
@@ -32,5 +32,6 @@ __all__ = [
     "lossy_typical_accept",
     "per_prompt_options",
     "percentile",
+    "quartiles",
     "sample_accept",
 ]

@@ -599,9 +599,10 @@ class Scheduler:
         the held states instead, two ints, and gives them all as one commit when it next drafts (every `DraftState`
         keeps a run of commits as it keeps one commit of them all), its states gathered from the held forwards'
         join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_BYTES` of
-        them or `HELD_ROWS` rows (every row then gives what it kept). EAGLE on stories260K, never drafting, over plain (medians of paired
-        blocks of steps): 26 us a step at batch 16 and 8 at batch 1, against 42-50 and 12 us keeping a tuple a row
-        a step (its tokens, every row's states split apart, its row there), given 32 at a time.
+        them or `HELD_ROWS` rows (every row then gives what it kept). EAGLE on stories260K, never drafting, over
+        plain (medians of paired blocks of steps): 26 us a step at batch 16 and 8 at batch 1, against 42-50 and 12
+        us keeping a tuple a row a step (its tokens, every row's states split apart, its row there), given 32 at a
+        time.
         """
         self._held.append((hidden, rows))
         self._held_last = hidden

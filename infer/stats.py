@@ -93,3 +93,9 @@ def percentile(ordered: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def quartiles(values: list[float], name: str) -> dict[str, float]:
+    """``name``_p25, _p50 and _p75 of ``values`` (any order): a benchmark's paired ratios as it reports them."""
+    ordered = sorted(values)
+    return {f"{name}_p{round(q * 100)}": percentile(ordered, q) for q in (0.25, 0.5, 0.75)}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from specgraft.heads import Drafter
-from specgraft.infer import GoodputController, SpeculativeGenerator, percentile
+from specgraft.infer import GoodputController, SpeculativeGenerator, percentile, quartiles
 from specgraft.model import Target
 from specgraft.tree import Adaptive, TreePolicy
 
@@ -120,9 +120,7 @@ def paired(runs: Sequence[tuple[list, float]], reference: Sequence[tuple[list, f
     """Plain decoding's wall time over the method's, group by group (each group ran every method back to back, and
     greedy with fixed budgets, the same tokens): its median and quartiles. A burst of load on the machine slows the
     runs it falls on, and moves a total by all of that but a median of pairs hardly."""
-    ratios = sorted(ref / wall for (_, wall), (_, ref) in zip(runs, reference) if wall > 0)
-    return {"paired_vs_plain_p25": percentile(ratios, 0.25), "paired_vs_plain_p50": percentile(ratios, 0.5),
-            "paired_vs_plain_p75": percentile(ratios, 0.75)}
+    return quartiles([ref / wall for (_, wall), (_, ref) in zip(runs, reference) if wall > 0], "paired_vs_plain")
 
 
 def crossover(rows: Sequence[Mapping[str, Any]]) -> int | None:

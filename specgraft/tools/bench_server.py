@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from specgraft.infer import percentile
+from specgraft.infer import percentile, quartiles
 from specgraft.tools.prompts import read_prompt_file
 
 if TYPE_CHECKING:
@@ -176,9 +176,7 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
                 ratios.append(walls["off"] / walls["on"])
         rows += [{"concurrency": level, "speculative": mode, "rounds": rounds, **summarize(*pooled[mode])} for mode in MODES]
         if ratios:
-            ratios.sort()
-            rows[-1].update(paired_vs_off_p25=percentile(ratios, 0.25), paired_vs_off_p50=percentile(ratios, 0.5),
-                            paired_vs_off_p75=percentile(ratios, 0.75))
+            rows[-1].update(quartiles(ratios, "paired_vs_off"))
     await client.close()
     rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["speculative"])))
     return {
