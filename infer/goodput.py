@@ -110,6 +110,10 @@ PROBE_SHARE = 0.01
 # accepted, so its probes only time the drafter again (the load moves prices). EAGLE on stories260K at batch 1, a level
 # at 1.4 tokens, probed every 141 steps: 1% of its time, a third of what it kept below plain.
 SURE_LOSS_PROBE_SHARE = PROBE_SHARE / 10
+# Packed forwards with trees per move of ``StepCost.packed_ratio`` (the first ones set it): under load they are a few
+# steps in a hundred, and at `RESCALE_EVERY` a batch drafted for dozens of steps at a level priced at a third to a
+# half of its cost before the first move (SmolLM2, batch 16: 8 tokens drafted on 33 of 148 steps, 128 ms against 86).
+PACKED_EVERY = 8
 GOLDEN = (math.sqrt(5) - 1) / 2  # row keys times this, modulo 1, spread the rows' probe phases evenly
 # Verified trees their drafters learn from in one pass, once this many are queued (or a row leaves): a drafter's
 # calibration and reach by depth, node by node, cost a drafting row 10-15 us a drafted step in place (stories260K,
@@ -130,17 +134,23 @@ class StepCost:
 
     points: dict[int, float]
     scale: float = 1.0
-    # A forward that pays for trees takes this much longer than its tokens alone. A row alone verifies a branching
-    # tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16 times 4 causal tokens, three start-ups;
-    # SmolLM2 1.00-1.38, five); packed, any row of more than one token also leaves the one SDPA call of the one-token
-    # rows (16 rows: 2.06 ms with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py). A step the
-    # curve of causal tokens cannot hold: timed once at start-up on a row alone (``trees_seen``), then learned from the forwards
-    # with trees against ``scale``.
+    # A forward that pays for trees takes this much longer than its tokens alone, a step the curve of causal tokens
+    # cannot hold. A row alone verifies a branching tree under a mask (stories260K: a masked tree of 4 took 1.04-1.16
+    # times 4 causal tokens, three start-ups; SmolLM2 1.00-1.38, five): ``tree_ratio``, timed once at start-up
+    # (``trees_seen``). Packed, any row of more than one token also leaves the one SDPA call of the one-token rows
+    # (16 rows: 2.06 ms with one chain of 2 against 1.66 ms without, benchmarks/tree_in_batch.py), and the forward's
+    # tokens sit on a curve timed on one row: ``packed_ratio``, read as ``tree_ratio`` until the first `PACKED_EVERY`
+    # packed forwards with trees set it (SmolLM2 at batch 16: 8 drafted tokens took a forward of 128 ms against 86,
+    # +50% where the curve said +15-20%; timed at start-up on 8 rows after 64 tokens it came out at 1.01-1.05). Each
+    # is then learned from the forwards of its kind with trees, against ``scale``.
     tree_ratio: float = 1.0
     trees_seen: bool = False  # tree_ratio was timed or observed: later forwards move it by `EMA` (else they set it)
-    # (tokens, seconds) of forwards since the last rescale, without trees and with.
+    packed_ratio: float = 1.0
+    packed_seen: bool = False  # packed_ratio was observed (until then the penalty of a packed tree reads tree_ratio)
+    # (tokens, seconds) of forwards since the last rescale: without trees, with trees on a row alone, and packed.
     observed: list[tuple[int, float]] = field(default_factory=list)
     observed_trees: list[tuple[int, float]] = field(default_factory=list)
+    observed_packed: list[tuple[int, float]] = field(default_factory=list)
     # A step's time beyond its forward and its drafting (planning, selection, tree masks, acceptance, gathers, commits,
     # and whatever runs between steps: a generator's or a server's handling of the tokens), fitted to observed steps as
     # per_step + per_row * rows + per_drafted * rows verifying a tree (see `observe_overhead`). Every token a step
@@ -157,19 +167,21 @@ class StepCost:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
         self._base: dict[int, float] = {}  # n -> T(n) at scale 1, as read off the points (selection asks per node)
-        self._priced_at = self._checked = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
+        self._priced_at = self._checked = (self.scale, self.tree_ratio, self.packed_ratio, self.per_step, self.per_row,
+                                           self.per_drafted)
 
     def price_point(self) -> tuple[float, ...]:
-        """(scale, tree ratio, work per step, per row, per drafted row) as plans were last priced: held until one
-        moves by `PRICE_TOLERANCE` (the works: of T(1))."""
-        now = (self.scale, self.tree_ratio, self.per_step, self.per_row, self.per_drafted)
+        """(scale, tree ratio, packed ratio, work per step, per row, per drafted row) as plans were last priced: held
+        until one moves by `PRICE_TOLERANCE` (the works: of T(1))."""
+        now = (self.scale, self.tree_ratio, self.packed_ratio, self.per_step, self.per_row, self.per_drafted)
         held = self._priced_at
         if now == self._checked:  # nothing moved since the last check (they move every `RESCALE_EVERY` steps)
             return held
         self._checked = now
         work = PRICE_TOLERANCE * self._ys[0] * self.scale
-        if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0] or abs(now[1] - held[1]) > PRICE_TOLERANCE
-                or any(abs(a - b) > work for a, b in zip(now[2:], held[2:]))):
+        if (abs(now[0] - held[0]) > PRICE_TOLERANCE * held[0]
+                or any(abs(a - b) > PRICE_TOLERANCE for a, b in zip(now[1:3], held[1:3]))
+                or any(abs(a - b) > work for a, b in zip(now[3:], held[3:]))):
             self._priced_at = now
         return self._priced_at
 
@@ -177,9 +189,10 @@ class StepCost:
         """Seconds of a step over ``rows`` rows beyond its forward, where no row drafts (see ``per_step``)."""
         return max(self.per_step + self.per_row * rows, 0.0)
 
-    def tree_penalty(self, n: int) -> float:
-        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree (see ``tree_ratio``)."""
-        return self(n) * max(self.tree_ratio - 1.0, 0.0)
+    def tree_penalty(self, n: int, packed: bool = False) -> float:
+        """Seconds a forward over ``n`` tokens takes longer when some row in it verifies a tree: a row alone's
+        (``tree_ratio``), or ``packed`` beside others (``packed_ratio``, once observed)."""
+        return self(n) * max((self.packed_ratio if packed and self.packed_seen else self.tree_ratio) - 1.0, 0.0)
 
     @classmethod
     def measure(cls, target: Target) -> StepCost:
@@ -264,26 +277,32 @@ class StepCost:
         else:
             self.per_row, self.per_step = rest / max(mr, 1.0), 0.0
 
-    def observe(self, n: int, seconds: float, trees: bool = False) -> None:
+    def observe(self, n: int, seconds: float, trees: bool = False, packed: bool = False) -> None:
         """A step's forward over ``n`` tokens took ``seconds``; ``trees``: it paid for trees (a mask, or packed rows
-        of more than one token; see `GoodputController.chains_unmasked`).
+        of more than one token; see `GoodputController.chains_unmasked`), ``packed`` beside other rows.
 
-        Every `RESCALE_EVERY` forwards of a kind, the curve's scale moves toward their median observed / predicted (the
-        machine's load moves; a scale that holds between moves lets plans be reused), a tree's forwards predicted with
-        ``tree_ratio``; and ``tree_ratio`` moves toward their median observed / predicted without it (set outright by
-        the first ones where it was not timed at start-up).
+        Every `RESCALE_EVERY` forwards of a kind (`PACKED_EVERY` packed ones with trees), the curve's scale moves toward
+        their median observed / predicted (the machine's load moves; a scale that holds between moves lets plans be
+        reused), a tree's forwards predicted with their kind's ratio; and that ratio moves toward their median observed
+        / predicted without it (set outright by the first ones where it was not timed at start-up: a packed one never
+        is).
         """
-        observed = self.observed_trees if trees else self.observed
+        packed = trees and packed
+        observed = (self.observed_packed if packed else self.observed_trees) if trees else self.observed
         observed.append((n, seconds))
-        if len(observed) < RESCALE_EVERY:
+        if len(observed) < (PACKED_EVERY if packed else RESCALE_EVERY):
             return
         base = [(self(m) / self.scale, t) for m, t in observed]  # (T at scale 1, seconds)
         observed.clear()
         if trees:  # the median: a forward's first trees run cold
-            a = EMA if self.trees_seen else 1.0
-            self.trees_seen = True
-            self.tree_ratio = (1 - a) * self.tree_ratio + a * statistics.median(t / (p * self.scale) for p, t in base)
-        ratio = self.tree_ratio if trees else 1.0
+            seen = self.packed_seen if packed else self.trees_seen
+            a = EMA if seen else 1.0
+            learned = statistics.median(t / (p * self.scale) for p, t in base)
+            if packed:
+                self.packed_seen, self.packed_ratio = True, (1 - a) * self.packed_ratio + a * learned
+            else:
+                self.trees_seen, self.tree_ratio = True, (1 - a) * self.tree_ratio + a * learned
+        ratio = (self.packed_ratio if packed else self.tree_ratio) if trees else 1.0
         # The median, as for trees: the machine's load moves the scale, a forward preempted once does not (one such
         # among eight moved their mean by an eighth of its delay, and plans were priced again every few dozen steps).
         self.scale = (1 - EMA) * self.scale + EMA * statistics.median(t / (p * ratio) for p, t in base)
@@ -804,7 +823,7 @@ class GoodputController:
             goodput = batch / (base + cost.overhead(batch))  # committed tokens per second of plain decoding at this batch
             # A row that drafts verifies a tree: the scheduler's work beyond the tokens, and the forward's tree penalty
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
-            fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch))
+            fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch, packed=True))
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
             levels = [0.0] + [goodput * (fixed + stats.cost_of(d) + cost(batch + d) - base)
                               for d in range(1, len(prior) + 2)]
@@ -891,7 +910,7 @@ class GoodputController:
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
         # branches, where chains run unmasked), the forward's penalty.
         chains_free = self.chains_unmasked(len(candidates))
-        penalty = cost.tree_penalty(tokens)
+        penalty = cost.tree_penalty(tokens, packed=not chains_free)
         paid = any(not (chains_free and t.is_chain) for t in fixed)
         extra = cost.overhead(len(candidates)) + cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
         best_k, best = 0, expected / (cost(tokens) + extra)
@@ -952,7 +971,7 @@ class GoodputController:
         cost = self.cost
         if cost is not None:
             if tokens:
-                cost.observe(tokens, forward, trees=masked)
+                cost.observe(tokens, forward, trees=masked, packed=rows > 1 and not self.row_by_row)
             if overhead is not None:
                 cost.observe_overhead(rows, drafted, overhead)
 

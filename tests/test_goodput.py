@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import _COSTS, RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
+from specgraft.infer.goodput import _COSTS, PACKED_EVERY, RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -132,6 +132,44 @@ def test_forwards_with_trees_teach_the_tree_penalty_apart_from_the_scale():
         cost.observe(17, 2.6, trees=True)
     assert cost.scale == pytest.approx(2.0, rel=1e-2) and cost.tree_ratio == pytest.approx(1.3, rel=1e-2)
     assert cost.tree_penalty(16) == pytest.approx(0.6, rel=1e-2)
+
+
+def test_packed_forwards_with_trees_set_their_own_penalty_quickly_and_leave_a_row_alones():
+    """A tree beside other rows costs what it costs there (the one-token rows leave their single attention call, the
+    tokens sit on a curve timed on one row), not what a row alone's masked tree costs: the first `PACKED_EVERY`
+    packed forwards with trees set its ratio outright, and each ratio learns from its own kind of forward."""
+    cost = StepCost({1: 1.0, 64: 1.0}, tree_ratio=1.1, trees_seen=True)
+    assert cost.tree_penalty(16, packed=True) == pytest.approx(0.1)  # none observed yet: a row alone's ratio stands in
+    for _ in range(PACKED_EVERY - 1):
+        cost.observe(17, 1.5, trees=True, packed=True)
+    assert not cost.packed_seen and cost.tree_penalty(16, packed=True) == pytest.approx(0.1)
+    cost.observe(17, 1.5, trees=True, packed=True)  # the eighth: half a forward more than its tokens
+    assert cost.packed_seen and cost.packed_ratio == pytest.approx(1.5)
+    assert cost.tree_penalty(16, packed=True) == pytest.approx(0.5) and cost.tree_penalty(16) == pytest.approx(0.1)
+    assert cost.tree_ratio == pytest.approx(1.1) and cost.scale == pytest.approx(1.0)  # a row alone's, the scale: kept
+    for _ in range(PACKED_EVERY):
+        cost.observe(17, 1.2, trees=True, packed=True)
+    assert cost.packed_ratio == pytest.approx(0.8 * 1.5 + 0.2 * 1.2)  # seen: later ones move it by EMA
+    scale = cost.scale  # (those forwards, 1.2 s against 1.44 predicted, moved it)
+    for _ in range(RESCALE_EVERY):
+        cost.observe(3, 1.3 * scale, trees=True)  # a row alone's trees move its own ratio only
+    assert cost.tree_ratio == pytest.approx(0.8 * 1.1 + 0.2 * 1.3) and cost.packed_ratio == pytest.approx(1.44)
+
+
+def test_a_learned_packed_penalty_prices_trees_beside_other_rows_and_not_a_branch_alone():
+    ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free but for the penalty
+    ctl.cost.packed_ratio, ctl.cost.packed_seen = 1.5, True  # beside other rows the first tree adds half a forward
+    weak = tree_of([-1, 0, 1], logp=[0.0, math.log(0.6), math.log(0.3)])
+    fork = tree_of([-1, 0, 0], logp=[0.0, math.log(0.6), math.log(0.3)])
+    plain = Candidate(9, d, tree_of([-1]), True)
+    assert ctl.select([Candidate(0, d, weak, True), plain])[0].num_nodes == 1  # 2.9 tokens in 1.5 s lose to 2 in 1
+    assert ctl.select([Candidate(0, d, fork, True)])[0].num_nodes == 3  # alone, a branch pays tree_ratio (1.0): none
+    stats = ctl.stats(d)
+    for _ in range(10):
+        stats.observe_cost(1, 0.01)
+    stats.reach = [0.9]
+    assert ctl.plan([(0, d, 1), (1, d, 1)], batch=2) == {0: 0, 1: 0}  # 0.9 tokens do not repay half a forward each
+    assert ctl.plan([(0, d, 1)], batch=1) == {0: 1}  # alone, a chain runs unmasked
 
 
 def test_selection_pays_the_tree_penalty_once_a_step_and_plans_price_it_whole():
