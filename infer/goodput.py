@@ -971,7 +971,7 @@ class GoodputController:
         cost = self.cost
         if cost is not None:
             if tokens:
-                cost.observe(tokens, forward, trees=masked, packed=rows > 1 and not self.row_by_row)
+                cost.observe(tokens, forward, trees=masked, packed=not self.chains_unmasked(rows))
             if overhead is not None:
                 cost.observe_overhead(rows, drafted, overhead)
 
