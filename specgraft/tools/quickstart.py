@@ -47,7 +47,7 @@ from typing import Any, Callable
 from specgraft.threads import choose_threads
 from specgraft.tools.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
 from specgraft.tools.stages import Stage, StageResult, duration, run_stages
-from specgraft.tools.step_cost import measure_step_cost
+from specgraft.tools.train_cost import measure_train_cost
 
 STAGES = ("target", "data", "train", "bench")
 STAGE_DIR = "stages"
@@ -345,7 +345,7 @@ def stage_train(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partial
     try:
         dataset = TokenizedDataset(load_records(outputs["data_file"]), target.tokenizer, cfg.max_length)
         train, _ = train_eval_split(dataset.examples, cfg.eval_fraction, seed=cfg.seed)
-        cost = measure_step_cost(target, train, cfg.micro_batch_size)
+        cost = measure_train_cost(target, train, cfg.micro_batch_size)
     finally:
         torch.set_num_threads(before)
     batches_per_epoch = math.ceil(len(train) / cfg.micro_batch_size)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-# A trainer step costs this much more than the bare head step `measure_step_cost` times: reading the
+# A trainer step costs this much more than the bare head step `measure_train_cost` times: reading the
 # features back from the offline cache, rebuilding the target's logits, DeepSpeed's bookkeeping
 # (measured on the demo target: 0.32 s against 0.26 s).
 TRAINER_OVERHEAD = 1.25
 
 
 @dataclass
-class StepCost:
+class TrainStepCost:
     """Measured seconds: the target's forward over one micro-batch, and one head training step."""
 
     target_s: float
@@ -23,7 +23,7 @@ class StepCost:
         return max(1, int((seconds - batches_per_epoch * self.target_s) / (self.step_s * TRAINER_OVERHEAD)))
 
 
-def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> StepCost:
+def measure_train_cost(target, examples: list[dict], micro_batch_size: int, repeats: int = 3) -> TrainStepCost:
     """Time the target over a micro-batch and a few EAGLE head steps (forward, backward, AdamW) on it."""
     import torch
 
@@ -48,4 +48,4 @@ def measure_step_cost(target, examples: list[dict], micro_batch_size: int, repea
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
-    return StepCost(target_s=target_s, step_s=min(times[1:]))
+    return TrainStepCost(target_s=target_s, step_s=min(times[1:]))
