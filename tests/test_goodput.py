@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import _COSTS, PACKED_EVERY, RESCALE_EVERY, Candidate, DrafterStats, GoodputController, StepCost
+from specgraft.infer.goodput import Candidate, DrafterStats, GoodputController
+from specgraft.infer.step_cost import PACKED_EVERY, RESCALE_EVERY, StepCost, forget_step_cost
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -279,7 +280,7 @@ def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
 
 
 def test_timed_points_are_read_as_timed_steps_and_all_and_never_cheaper_for_more_tokens():
-    from specgraft.infer.goodput import rising_times
+    from specgraft.infer.step_cost import rising_times
 
     # SmolLM2 at batch 1 (ms): 1 and 2 tokens run one kernel, 3 and 4 another; 16 tokens timed faster than 12
     timed = {1: 38.0, 2: 38.5, 3: 52.0, 4: 50.0, 8: 55.0, 12: 70.0, 16: 66.0, 24: 80.0}
@@ -1028,7 +1029,7 @@ def test_a_steps_work_is_timed_from_its_start_to_the_next_steps_less_its_forward
     monkeypatch.setattr(scheduler_module, "OVERHEAD_CLIP", 1e9)
     monkeypatch.setattr(GoodputController, "observe_times",
                         lambda self, tokens, f, masked, rows, drafted, s: s is None or reports.append(s))
-    _COSTS.pop(stories, None)
+    forget_step_cost(stories)
     sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=2)
     handles = [sched.submit(stories.encode("Once upon a time"), 12, drafter="guesses", tree=sg.Adaptive(),
                             eos_token_id=()) for _ in range(2)]
