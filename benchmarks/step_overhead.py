@@ -13,6 +13,13 @@ stop rules, stats, events). "other" is the step's remaining time: the
 scheduler's own Python. "beyond forward+draft" is everything but the forward
 and the draft: the engine's per-step cost. Figures are per step, medians over
 steps; prefill steps (a row joining) are left out.
+
+With ``--tree adaptive`` the goodput controller's work (planning, selection,
+learning, its timings: every `GoodputController` call the scheduler makes)
+is also timed. It runs inside the parts above (planning in ``draft``,
+learning in ``commit``, selection in "other"), and mostly on the steps where
+a row drafts, so it is reported as a mean per step beside the medians: at
+batch 1 the steps without a tree would otherwise hide it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ import torch
 
 import specgraft as sg
 from specgraft.heads import drafter_from_spec
+from specgraft.infer import GoodputController
 
 PARTS = ("draft", "verify inputs", "forward", "commit")
+# What the scheduler asks of the goodput controller (learning runs inside `observe_step`).
+CONTROLLER_CALLS = ("standing", "plan", "select", "observe_draft", "observe_step", "observe_times", "forget")
 
 
 def instrument(spent: dict[str, float]) -> None:
@@ -59,6 +69,8 @@ def instrument(spent: dict[str, float]) -> None:
     wrap(sg.Scheduler, "_commit", "commit")
     wrap(sg.Target, "forward", None)
     wrap(sg.Target, "forward_packed", None)
+    for name in CONTROLLER_CALLS:
+        wrap(GoodputController, name, "controller")
 
 
 def main() -> None:
@@ -97,12 +109,14 @@ def main() -> None:
             per_step["other"].append(total - sum(spent[p] for p in PARTS))
             per_step["total"].append(total)
             per_step["beyond forward+draft"].append(total - spent["forward"] - spent["draft"])
+            per_step["controller"].append(spent["controller"])
         while not sched.idle:
             sched.step()
         row = {"batch_size": b, "steps": len(per_step["total"])}
-        row.update({part: statistics.median(v) * 1e3 for part, v in per_step.items()})
+        row.update({part: statistics.median(v) * 1e3 for part, v in per_step.items() if part != "controller"})
+        row["controller (mean)"] = statistics.fmean(per_step["controller"]) * 1e3
         rows.append(row)
-    names = [*PARTS, "other", "total", "beyond forward+draft"]
+    names = [*PARTS, "other", "total", "beyond forward+draft", "controller (mean)"]
     print("| batch | steps | " + " | ".join(f"{n} ms" for n in names) + " |")
     print("|---|---|" + "---|" * len(names))
     for r in rows:
