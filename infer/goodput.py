@@ -110,6 +110,8 @@ class Calibration:
     predicted: list[float] = field(default_factory=list)  # [d - 1]: sum of the raw estimates verified at depth d
     accepted: list[float] = field(default_factory=list)  # [d - 1]: how many of them were accepted
     memory: float = CALIBRATION_MEMORY  # predicted at a depth before both of its sums halve
+    version: int = 0  # moves with every observation: `factors` is read again only then
+    _factors: tuple[int, list[float]] = field(default_factory=lambda: (-1, []), repr=False)  # (version, `factors`)
 
     def factor(self, depth: int) -> float:
         """accepted / predicted at ``depth``, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
@@ -118,7 +120,18 @@ class Calibration:
             return 1.0
         return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
 
+    def factors(self, depth: int) -> list[float]:
+        """[d - 1]: `factor` at every depth d up to ``depth`` at least, kept until the next observation (a drafting
+        row's plan and selection read every depth each step; the calibration moves once per learning pass)."""
+        version, factors = self._factors
+        if version != self.version or len(factors) < depth:
+            factors = [(a + PRIOR_WEIGHT) / (p + PRIOR_WEIGHT) for a, p in zip(self.accepted, self.predicted)]
+            factors += [1.0] * (depth - len(factors))
+            self._factors = (self.version, factors)
+        return factors
+
     def observe(self, depth: int, raw: float, accepted: float) -> None:
+        self.version += 1
         while len(self.predicted) < depth:
             self.predicted.append(0.0)
             self.accepted.append(0.0)
@@ -244,13 +257,12 @@ class DrafterStats:
         at batch 1: plans counting the whole reach drafted tries whose siblings selection then cut, every one)."""
         return self.split.factor(depth)
 
-    def observe_split(self, depth: list[int]) -> None:
-        """A drafted tree without probabilities, its nodes' depths (root first)."""
-        counts: dict[int, int] = {}
-        for d in depth[1:]:
-            counts[d] = counts.get(d, 0) + 1
-        for d, k in counts.items():
-            self.split.observe(d, 1.0, 1 / k)
+    def observe_split(self, counts: list[int]) -> None:
+        """A drafted tree without probabilities: ``counts[d]`` its nodes at depth d (``counts[0]``, the root's, is
+        not read)."""
+        for d in range(1, len(counts)):
+            if counts[d]:
+                self.split.observe(d, 1.0, 1 / counts[d])
 
     def observe_reach(self, accepted: int, verified_depth: int) -> None:
         """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
@@ -511,18 +523,22 @@ class GoodputController:
         off the row's reach and its drafter's statistics alone."""
         _, levels, per_token, prior = priced
         stats = self._stats(drafter)
-        reach, rates = row.reach, stats.rates
+        reach, rates, shares = row.reach, stats.rates.factors(max_depth), stats.split.factors(max_depth)
         best, best_net, committed = 0, 0.0, 1.0
         for d in range(1, max_depth + 1):
             # expected tokens (a running reach, calibrated as selection's rates are, of which a level's likeliest
             # node holds its share) ...
-            committed += (reach[d - 1] if d <= len(reach) else prior[d - 1]) * rates.factor(d) * stats.share_at(d)
+            committed += (reach[d - 1] if d <= len(reach) else prior[d - 1]) * rates[d - 1] * shares[d - 1]
             # ... less the price of d levels and of catching up every token committed, as a row drafting each step does
             net = committed - 1.0 - levels[d] - per_token * committed
             if net > best_net:
                 best, best_net = d, net
         price = levels[max_depth] - levels[best]  # of the levels a probe drafts beyond the plan (see `PROBE_SHARE`)
-        sure_loss = all(levels[d] - levels[best] >= d - best for d in range(best + 1, max_depth + 1))
+        sure_loss = True
+        for d in range(best + 1, max_depth + 1):
+            if levels[d] - levels[best] < d - best:
+                sure_loss = False
+                break
         # A probe also catches the row up on every token committed since it last drafted, about one a step between
         # probes: at a share no greater than that catching up alone, the row does not probe at this batch
         share = SURE_LOSS_PROBE_SHARE if sure_loss else PROBE_SHARE
@@ -549,9 +565,10 @@ class GoodputController:
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
             fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch, packed=True))
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
-            levels = [0.0] + [goodput * (fixed + stats.cost_of(d) + cost(batch + d) - base)
+            at_once, per_level, per_behind = stats.cost_line()  # `DrafterStats.cost_of` d levels, caught up
+            levels = [0.0] + [goodput * (fixed + max(at_once + per_level * d, 0.0) + cost(batch + d) - base)
                               for d in range(1, len(prior) + 2)]
-            priced = self.priced[id(drafter)] = inputs, levels, goodput * stats.cost_line()[2], prior
+            priced = self.priced[id(drafter)] = inputs, levels, goodput * per_behind, prior
         return priced
 
     def chains_unmasked(self, batch: int) -> bool:
@@ -575,31 +592,35 @@ class GoodputController:
         """Each node's chance to be on the accepted path (index 0, the root: 1), never above its parent's."""
         return self._estimates(candidate)[0]
 
-    def _estimates(self, candidate: Candidate) -> tuple[list[float], list[float] | None]:
-        """`estimates`, and for a tree without probabilities each node's raw rate (its row's reach at its depth,
-        shared among siblings) before calibration (None for a tree with probabilities: its raw is in its scores)."""
+    def _estimates(self, candidate: Candidate) -> tuple[list[float], list[float] | None, list[int] | None]:
+        """`estimates`; for a tree without probabilities, each node's raw rate (its row's reach at its depth, shared
+        among siblings) before calibration, and its nodes by depth ([d]); None for a tree with probabilities (its
+        raw is in its scores)."""
         tree = candidate.tree
         if tree.num_nodes == 1:
-            return [1.0], None
+            return [1.0], None, None
         stats = self._stats(candidate.drafter)
         depth, parents = tree.depth_list, tree.parent_list
         scores = tree.scores.tolist()
         out = [1.0] * tree.num_nodes
         if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
+            factors = stats.probability.factors(tree.max_depth)
             for i in range(1, tree.num_nodes):
-                out[i] = min(out[parents[i]], 1.0, math.exp(scores[i]) * stats.factor(depth[i]))
-            return out, None
+                out[i] = min(out[parents[i]], 1.0, math.exp(scores[i]) * factors[depth[i] - 1])
+            return out, None, None
         # No probabilities (prompt lookup): the row's running acceptance by depth, shared among siblings, calibrated.
         row = self.row(candidate.key)
-        at_depth: dict[int, int] = {}
-        for d in depth[1:]:
-            at_depth[d] = at_depth.get(d, 0) + 1
-        shared = {d: row.reach_at(d, stats) / k for d, k in at_depth.items()}  # a depth's raw rate, each of its nodes
-        factors = {d: stats.rates.factor(d) for d in at_depth}
-        raw = [1.0] + [shared[d] for d in depth[1:]]
+        counts = [0] * (tree.max_depth + 1)
+        for d in depth:
+            counts[d] += 1
+        reach, factors = row.reach, stats.rates.factors(tree.max_depth)
+        # [d]: a depth's raw rate, each of its nodes (its row's reach shared), and that calibrated
+        shared = [1.0] + [(reach[d - 1] if d <= len(reach) else stats.reach_at(d)) / counts[d]
+                          for d in range(1, len(counts))]
+        calibrated = [1.0] + [shared[d] * factors[d - 1] for d in range(1, len(counts))]
         for i in range(1, tree.num_nodes):
-            out[i] = min(out[parents[i]], 1.0, raw[i] * factors[depth[i]])
-        return out, raw
+            out[i] = min(out[parents[i]], 1.0, calibrated[depth[i]])
+        return out, [shared[d] for d in depth], counts
 
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
         """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
@@ -608,50 +629,56 @@ class GoodputController:
         node: their nodes count as given costs and gains.
         """
         cost = self.step_cost()
-        tokens, expected = 0, 0.0
+        rows = len(candidates)
+        tokens, expected = rows, float(rows)
         pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
         estimates: dict[int, list[float]] = {}  # row index -> its nodes' estimates
         rates: dict[int, list[float]] = {}  # row index -> its nodes' raw rates (trees without probabilities)
-        candidates = [c if c.key not in self.probes else self._probe(c) for c in candidates]
+        if self.probes:
+            candidates = [c if c.key not in self.probes else self._probe(c) for c in candidates]
+        # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
+        # branches, where chains run unmasked), the forward's penalty.
+        chains_free = self.chains_unmasked(rows)
+        fixed, paid = 0, False  # fixed rows verifying a tree; whether one of them pays the penalty
         for r, c in enumerate(candidates):
-            tokens += 1
-            expected += 1.0
-            if c.tree.num_nodes == 1:
+            tree = c.tree
+            if tree.num_nodes == 1:
                 continue
-            est, rate = self._estimates(c)
+            est, rate, counts = self._estimates(c)
             estimates[r] = est
             if rate is not None:
                 rates[r] = rate
-                self._stats(c.drafter).observe_split(c.tree.depth_list)
+                self._stats(c.drafter).observe_split(counts)
             if not c.adaptive:
-                tokens += c.tree.num_draft_tokens
-                expected += sum(est[1:])
+                tokens += tree.num_nodes - 1
+                expected += sum(est) - 1.0
+                fixed += 1
+                paid = paid or not (chains_free and tree.is_chain)
                 continue
-            depth = c.tree.depth_list
-            pool += [(-est[i], depth[i], r, i) for i in range(1, c.tree.num_nodes)]
+            depth = tree.depth_list
+            pool += [(-est[i], depth[i], r, i) for i in range(1, tree.num_nodes)]
         pool.sort()  # by estimate, parents before children on ties
-        fixed = [c.tree for c in candidates if not c.adaptive and c.tree.num_nodes > 1]
-        # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
-        # branches, where chains run unmasked), the forward's penalty.
-        chains_free = self.chains_unmasked(len(candidates))
         penalty = cost.tree_penalty(tokens, packed=not chains_free)
-        paid = any(not (chains_free and t.is_chain) for t in fixed)
-        extra = cost.overhead(len(candidates)) + cost.per_drafted * len(fixed) + (penalty if paid else 0.0)
-        best_k, best = 0, expected / (cost(tokens) + extra)
+        per_drafted = cost.per_drafted
+        extra = cost.overhead(rows) + per_drafted * fixed + (penalty if paid else 0.0)
+        times = cost.times(tokens, len(pool))  # [k]: T(tokens + k)
+        best_k, best = 0, expected / (times[0] + extra)
         gained, opened, levels = expected, set(), set()
         for k, (neg, depth, r, _) in enumerate(pool, start=1):
             gained -= neg
             if r not in opened:  # this row's first node: it now verifies a tree
                 opened.add(r)
-                extra += cost.per_drafted
-            if not paid and (not chains_free or (r, depth) in levels):
-                paid = True
-                extra += penalty
-            levels.add((r, depth))
-            rate = gained / (cost(tokens + k) + extra)
+                extra += per_drafted
+            if not paid:  # its first tree that needs a mask: where chains run unmasked, a row's second node of a level
+                if not chains_free or (r, depth) in levels:
+                    paid = True
+                    extra += penalty
+                else:
+                    levels.add((r, depth))
+            rate = gained / (times[k] + extra)
             if rate > best:
                 best_k, best = k, rate
-        keep: dict[int, list[int]] = {r: [0] for r, c in enumerate(candidates) if c.adaptive}
+        keep: dict[int, list[int]] = {r: [0] for r in opened}
         for _, _, r, node in pool[:best_k]:
             keep[r].append(node)
         self.selected_last = best_k
@@ -660,7 +687,7 @@ class GoodputController:
             if not c.adaptive:
                 trees[c.key] = c.tree
                 continue
-            kept = sorted(keep[r])
+            kept = sorted(keep[r]) if r in keep else [0]
             if len(kept) > 1:  # what selection expected of each verified node: the calibration curve, the rates'
                 self.estimated[c.key] = [estimates[r][i] for i in kept]
                 if r in rates:
