@@ -114,11 +114,8 @@ class Calibration:
     _factors: tuple[int, list[float]] = field(default_factory=lambda: (-1, []), repr=False)  # (version, `factors`)
 
     def factor(self, depth: int) -> float:
-        """accepted / predicted at ``depth``, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts."""
-        i = depth - 1
-        if i >= len(self.predicted):
-            return 1.0
-        return (self.accepted[i] + PRIOR_WEIGHT) / (self.predicted[i] + PRIOR_WEIGHT)
+        """accepted / predicted at ``depth``, pulled toward 1 by `PRIOR_WEIGHT` pseudo-counts (1 where unobserved)."""
+        return self.factors(depth)[depth - 1]
 
     def factors(self, depth: int) -> list[float]:
         """[d - 1]: `factor` at every depth d up to ``depth`` at least, kept until the next observation (a drafting
@@ -534,11 +531,7 @@ class GoodputController:
             if net > best_net:
                 best, best_net = d, net
         price = levels[max_depth] - levels[best]  # of the levels a probe drafts beyond the plan (see `PROBE_SHARE`)
-        sure_loss = True
-        for d in range(best + 1, max_depth + 1):
-            if levels[d] - levels[best] < d - best:
-                sure_loss = False
-                break
+        sure_loss = all(levels[d] - levels[best] >= d - best for d in range(best + 1, max_depth + 1))
         # A probe also catches the row up on every token committed since it last drafted, about one a step between
         # probes: at a share no greater than that catching up alone, the row does not probe at this batch
         share = SURE_LOSS_PROBE_SHARE if sure_loss else PROBE_SHARE
@@ -565,10 +558,9 @@ class GoodputController:
             # (priced whole for each row: what drafting must repay where no other row drafts, as under load).
             fixed = cost.per_drafted + (0.0 if self.chains_unmasked(batch) else cost.tree_penalty(batch, packed=True))
             prior = [stats.reach_at(d) for d in range(1, max(max_depth, len(stats.reach)) + 1)]
-            at_once, per_level, per_behind = stats.cost_line()  # `DrafterStats.cost_of` d levels, caught up
-            levels = [0.0] + [goodput * (fixed + max(at_once + per_level * d, 0.0) + cost(batch + d) - base)
+            levels = [0.0] + [goodput * (fixed + stats.cost_of(d) + cost(batch + d) - base)
                               for d in range(1, len(prior) + 2)]
-            priced = self.priced[id(drafter)] = inputs, levels, goodput * per_behind, prior
+            priced = self.priced[id(drafter)] = inputs, levels, goodput * stats.cost_line()[2], prior
         return priced
 
     def chains_unmasked(self, batch: int) -> bool:
@@ -613,10 +605,9 @@ class GoodputController:
         counts = [0] * (tree.max_depth + 1)
         for d in depth:
             counts[d] += 1
-        reach, factors = row.reach, stats.rates.factors(tree.max_depth)
+        factors = stats.rates.factors(tree.max_depth)
         # [d]: a depth's raw rate, each of its nodes (its row's reach shared), and that calibrated
-        shared = [1.0] + [(reach[d - 1] if d <= len(reach) else stats.reach_at(d)) / counts[d]
-                          for d in range(1, len(counts))]
+        shared = [1.0] + [row.reach_at(d, stats) / counts[d] for d in range(1, len(counts))]
         calibrated = [1.0] + [shared[d] * factors[d - 1] for d in range(1, len(counts))]
         for i in range(1, tree.num_nodes):
             out[i] = min(out[parents[i]], 1.0, calibrated[depth[i]])
@@ -661,7 +652,7 @@ class GoodputController:
         penalty = cost.tree_penalty(tokens, packed=not chains_free)
         per_drafted = cost.per_drafted
         extra = cost.overhead(rows) + per_drafted * fixed + (penalty if paid else 0.0)
-        times = cost.times(tokens, len(pool))  # [k]: T(tokens + k)
+        times = [cost(tokens + k) for k in range(len(pool) + 1)]  # [k]: T(tokens + k)
         best_k, best = 0, expected / (times[0] + extra)
         gained, opened, levels = expected, set(), set()
         for k, (neg, depth, r, _) in enumerate(pool, start=1):
@@ -678,7 +669,7 @@ class GoodputController:
             rate = gained / (times[k] + extra)
             if rate > best:
                 best_k, best = k, rate
-        keep: dict[int, list[int]] = {r: [0] for r in opened}
+        keep: dict[int, list[int]] = {r: [0] for r, c in enumerate(candidates) if c.adaptive}
         for _, _, r, node in pool[:best_k]:
             keep[r].append(node)
         self.selected_last = best_k
@@ -687,7 +678,7 @@ class GoodputController:
             if not c.adaptive:
                 trees[c.key] = c.tree
                 continue
-            kept = sorted(keep[r]) if r in keep else [0]
+            kept = sorted(keep[r])
             if len(kept) > 1:  # what selection expected of each verified node: the calibration curve, the rates'
                 self.estimated[c.key] = [estimates[r][i] for i in kept]
                 if r in rates:

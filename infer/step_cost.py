@@ -150,10 +150,6 @@ class StepCost:
             base = self._base[n] = self._unscaled(n)
         return base * self.scale
 
-    def times(self, n: int, more: int) -> list[float]:
-        """[k]: T(n + k) for k up to ``more`` (selection weighs every size up to all its candidates)."""
-        return [self(m) for m in range(n, n + more + 1)]
-
     def _unscaled(self, n: int) -> float:
         """T(n) at scale 1: along the segment between the measured sizes about n, or the last one beyond them."""
         xs, ys = self._xs, self._ys
