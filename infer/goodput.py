@@ -139,6 +139,18 @@ class Calibration:
             self.predicted[i] /= 2
             self.accepted[i] /= 2
 
+    def observe_levels(self, raw: list[float], accepted: list[float]) -> None:
+        """`observe` at every depth d from 1: ``raw[d - 1]`` predicted and ``accepted[d - 1]`` accepted there (a tree's
+        nodes summed by depth), in one call."""
+        self.version += 1
+        predicted, sums, memory = self.predicted, self.accepted, self.memory
+        while len(predicted) < len(raw):
+            predicted.append(0.0)
+            sums.append(0.0)
+        for i, (r, a) in enumerate(zip(raw, accepted)):
+            p, x = predicted[i] + r, sums[i] + a
+            predicted[i], sums[i] = (p / 2, x / 2) if p > memory else (p, x)
+
 
 @dataclass
 class DrafterStats:
@@ -257,15 +269,20 @@ class DrafterStats:
     def observe_split(self, counts: list[int]) -> None:
         """A drafted tree without probabilities: ``counts[d]`` its nodes at depth d (``counts[0]``, the root's, is
         not read)."""
-        for d in range(1, len(counts)):
-            if counts[d]:
-                self.split.observe(d, 1.0, 1 / counts[d])
+        self.split.observe_levels([1.0] * (len(counts) - 1), [1 / n for n in counts[1:]])  # nodes at every depth to its deepest
 
     def observe_reach(self, accepted: int, verified_depth: int) -> None:
         """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
         its recent steps (an EMA of weight 0.2 wandered 0.13-0.41 around SmolLM2's EAGLE-3 0.23), pulled toward
         `REACH_PRIOR` by `PRIOR_WEIGHT` pseudo-steps."""
+        self.count_reach(accepted, verified_depth)
+        self.settle_reach()
+
+    def count_reach(self, accepted: int, verified_depth: int) -> None:
+        """`observe_reach`'s counts alone: a pass of trees counts each and settles the reach once (`settle_reach`)."""
         count_reach(self.hits, self.seen, accepted, verified_depth, DRAFTER_MEMORY)
+
+    def settle_reach(self) -> None:
         self.reach = [(h + PRIOR_WEIGHT * REACH_PRIOR**d) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
 
@@ -592,10 +609,10 @@ class GoodputController:
         if tree.num_nodes == 1:
             return [1.0], None, None
         stats = self._stats(candidate.drafter)
-        depth, parents = tree.depth_list, tree.parent_list
+        depth = tree.depth_list
         scores = tree.scores.tolist()
-        out = [1.0] * tree.num_nodes
         if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
+            parents, out = tree.parent_list, [1.0] * tree.num_nodes
             factors = stats.probability.factors(tree.max_depth)
             for i in range(1, tree.num_nodes):
                 out[i] = min(out[parents[i]], 1.0, math.exp(scores[i]) * factors[depth[i] - 1])
@@ -606,12 +623,15 @@ class GoodputController:
         for d in depth:
             counts[d] += 1
         factors = stats.rates.factors(tree.max_depth)
-        # [d]: a depth's raw rate, each of its nodes (its row's reach shared), and that calibrated
-        shared = [1.0] + [row.reach_at(d, stats) / counts[d] for d in range(1, len(counts))]
-        calibrated = [1.0] + [shared[d] * factors[d - 1] for d in range(1, len(counts))]
-        for i in range(1, tree.num_nodes):
-            out[i] = min(out[parents[i]], 1.0, calibrated[depth[i]])
-        return out, [shared[d] for d in depth], counts
+        # [d]: a depth's raw rate, each of its nodes (its row's reach shared), and that calibrated, never above a
+        # shallower depth's (a node's parent is one level up: its estimate is the least of its depths')
+        shared, capped, least = [1.0], [1.0], 1.0
+        for d in range(1, len(counts)):
+            rate = row.reach_at(d, stats) / counts[d]
+            shared.append(rate)
+            least = min(least, rate * factors[d - 1])
+            capped.append(least)
+        return [capped[d] for d in depth], [shared[d] for d in depth], counts
 
     def select(self, candidates: Sequence[Candidate]) -> dict[int, Tree]:
         """The trees to verify: each adaptive row's tree cut to the nodes that maximise expected tokens per second.
@@ -652,7 +672,7 @@ class GoodputController:
         penalty = cost.tree_penalty(tokens, packed=not chains_free)
         per_drafted = cost.per_drafted
         extra = cost.overhead(rows) + per_drafted * fixed + (penalty if paid else 0.0)
-        times = [cost(tokens + k) for k in range(len(pool) + 1)]  # [k]: T(tokens + k)
+        times = cost.span(tokens, len(pool))  # [k]: T(tokens + k)
         best_k, best = 0, expected / (times[0] + extra)
         gained, opened, levels = expected, set(), set()
         for k, (neg, depth, r, _) in enumerate(pool, start=1):
@@ -732,27 +752,40 @@ class GoodputController:
             self.learn()
 
     def learn(self) -> None:
-        """Learn from every verified tree queued by `observe_step`, in the order they were verified."""
+        """Learn from every verified tree queued by `observe_step`, in the order they were verified: each drafter's
+        calibrations a tree at a time, its reach by depth settled once from the pass's counts."""
         queued, self.queued = self.queued, []
-        for entry in queued:
-            self._learn(*entry)
+        learned = {id(entry[0]): self._learn(*entry) for entry in queued}
+        for stats in learned.values():
+            stats.settle_reach()
 
     def _learn(self, drafter: Any, tree: Tree, accepted_path: torch.Tensor, rates: list[float] | None,
-               estimated: list[float] | None) -> None:
+               estimated: list[float] | None) -> DrafterStats:
+        """One tree's lessons, its nodes summed by depth ([d - 1]: a verified tree has nodes at every depth to its
+        deepest); its drafter's reach counted, not settled (see `learn`)."""
         stats = self._stats(drafter)
         on_path = set(accepted_path.tolist())
-        scores, depth = tree.scores.tolist(), tree.depth_list
+        scores, depth, levels = tree.scores.tolist(), tree.depth_list, tree.max_depth
+        hits = [0.0] * levels  # [d - 1]: its nodes at depth d on the accepted path (at most one)
+        for i in on_path:
+            if i:
+                hits[depth[i] - 1] = 1.0
         if any(scores[1:]):
+            raw = [0.0] * levels
             for i in range(1, tree.num_nodes):
-                stats.observe(depth[i], math.exp(scores[i]), i in on_path)
+                raw[depth[i] - 1] += math.exp(scores[i])
+            stats.probability.observe_levels(raw, hits)
         if rates is not None and len(rates) == tree.num_nodes:  # the rates selection read, against what was accepted
+            raw = [0.0] * levels
             for i in range(1, tree.num_nodes):
-                stats.rates.observe(depth[i], rates[i], i in on_path)
+                raw[depth[i] - 1] += rates[i]
+            stats.rates.observe_levels(raw, hits)
         if estimated is not None and len(estimated) == tree.num_nodes:
             for i in range(1, tree.num_nodes):
                 point = stats.curve.setdefault(depth[i], [0, 0.0, 0])
                 point[0] += 1
                 point[1] += estimated[i]
                 point[2] += i in on_path
-        stats.observe_reach(len(on_path) - 1, tree.max_depth)
+        stats.count_reach(len(on_path) - 1, levels)
         stats.observed()
+        return stats

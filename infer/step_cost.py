@@ -88,6 +88,7 @@ class StepCost:
         self._xs = sorted(self.points)
         self._ys = [self.points[x] for x in self._xs]
         self._base: dict[int, float] = {}  # n -> T(n) at scale 1, as read off the points (selection asks per node)
+        self._curve: tuple[float, list[float]] = (self.scale, [])  # (scale, [n]: T(n) at it): `span`'s list
         self._priced_at = self._checked = (self.scale, self.tree_ratio, self.packed_ratio, self.per_step, self.per_row,
                                            self.per_drafted)
 
@@ -149,6 +150,16 @@ class StepCost:
         if base is None:
             base = self._base[n] = self._unscaled(n)
         return base * self.scale
+
+    def span(self, start: int, count: int) -> list[float]:
+        """[k]: T(start + k) for k in 0..count, off a list kept until the scale moves (selection reads T at every
+        node count it weighs: a call a node cost 6 us a drafted step at batch 1)."""
+        scale, curve = self._curve
+        end = start + count + 1
+        if scale != self.scale or len(curve) < end:
+            curve = [self(n) for n in range(max(end, 2 * len(curve) if scale == self.scale else end))]
+            self._curve = (self.scale, curve)
+        return curve[start:end]
 
     def _unscaled(self, n: int) -> float:
         """T(n) at scale 1: along the segment between the measured sizes about n, or the last one beyond them."""

@@ -65,6 +65,10 @@ def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
     for seconds in [3.0] * (RESCALE_EVERY - 1) + [30.0]:  # one forward of a set preempted: the scale holds
         cost.observe(4, seconds)
     assert cost.scale == pytest.approx(1.2)
+    assert cost.span(2, 3) == pytest.approx([cost(n) for n in (2, 3, 4, 5)])  # selection's run of T
+    for _ in range(RESCALE_EVERY):
+        cost.observe(4, 6.0)
+    assert cost.scale > 1.2 and cost.span(1, 10) == pytest.approx([cost(n) for n in range(1, 12)])
 
 
 def test_a_steps_work_beyond_its_forward_is_fitted_per_step_per_row_and_per_drafted_row():
@@ -348,6 +352,25 @@ def test_trees_without_probabilities_use_the_rows_running_acceptance_shared_amon
     est = ctl.estimates(Candidate(0, d, lookup, True))
     depth1 = row.reach_at(1, ctl.stats(d))
     assert est[1] == est[2] == pytest.approx(depth1 / 2) and est[3] <= est[1]
+
+
+def test_estimates_without_probabilities_are_each_depths_calibrated_rate_capped_by_every_ancestors():
+    d = Drafter()
+    # depth 1: one node; depth 2: three (split three ways, below depth 3's one); depth 3: one, under node 2
+    lookup = tree_of([-1, 0, 1, 1, 1, 2], tokens=[5, 6, 7, 8, 9, 10])
+    ctl = controller({1: 1.0})
+    stats, row = ctl.stats(d), ctl.row(0)
+    for accepted in (3, 3, 1, 3, 0, 3):
+        row.observe(accepted, 3, stats, now=ctl.clock)
+    stats.rates.observe(2, 1.0, 0.5)  # depth 2's rates ran high: its calibration halves them, about
+    est = ctl.estimates(Candidate(0, d, lookup, True))
+    factors = stats.rates.factors(3)
+    rate = [1.0] + [row.reach_at(k, stats) / n * factors[k - 1] for k, n in ((1, 1), (2, 3), (3, 1))]
+    expected = [1.0] * lookup.num_nodes  # node by node: its depth's rate, never above its parent's estimate
+    for i, (parent, depth) in enumerate(zip(lookup.parent_list, lookup.depth_list)):
+        if i:
+            expected[i] = min(expected[parent], 1.0, rate[depth])
+    assert est == pytest.approx(expected) and est[5] < rate[3]  # depth 3 capped by depth 2's split
 
 
 def test_plan_drafts_the_depth_whose_expected_tokens_best_repay_its_cost_at_plain_goodput():
