@@ -128,28 +128,22 @@ class Calibration:
         return factors
 
     def observe(self, depth: int, raw: float, accepted: float) -> None:
-        self.version += 1
-        while len(self.predicted) < depth:
-            self.predicted.append(0.0)
-            self.accepted.append(0.0)
-        i = depth - 1
-        self.predicted[i] += raw
-        self.accepted[i] += accepted
-        if self.predicted[i] > self.memory:  # halve both: recent steps weigh more as the text moves on
-            self.predicted[i] /= 2
-            self.accepted[i] /= 2
+        """``raw`` predicted and ``accepted`` accepted at ``depth`` (see `observe_levels`)."""
+        self.observe_levels([0.0] * (depth - 1) + [raw], [0.0] * (depth - 1) + [accepted])
 
     def observe_levels(self, raw: list[float], accepted: list[float]) -> None:
-        """`observe` at every depth d from 1: ``raw[d - 1]`` predicted and ``accepted[d - 1]`` accepted there (a tree's
-        nodes summed by depth), in one call."""
+        """``raw[d - 1]`` predicted and ``accepted[d - 1]`` accepted at every depth d from 1 (a tree's nodes summed by
+        depth; a depth with neither is left as it is), in one call."""
         self.version += 1
         predicted, sums, memory = self.predicted, self.accepted, self.memory
         while len(predicted) < len(raw):
             predicted.append(0.0)
             sums.append(0.0)
         for i, (r, a) in enumerate(zip(raw, accepted)):
-            p, x = predicted[i] + r, sums[i] + a
-            predicted[i], sums[i] = (p / 2, x / 2) if p > memory else (p, x)
+            if r or a:
+                p, x = predicted[i] + r, sums[i] + a
+                # halve both past the memory: recent steps weigh more as the text moves on
+                predicted[i], sums[i] = (p / 2, x / 2) if p > memory else (p, x)
 
 
 @dataclass
@@ -351,6 +345,15 @@ def _stands(composition: int | None, depths: dict[int, int]) -> int | None:
     """The rows' name a plan of these depths stands for (see `GoodputController.standing`): theirs where it drafts no
     row, else none."""
     return composition if composition is not None and not any(depths.values()) else None
+
+
+def summed_by_depth(values: Sequence[float], depth: list[int], levels: int) -> list[float]:
+    """[d - 1]: the sum of ``values`` over a tree's nodes at depth d, for d from 1 to ``levels`` (the root's is not
+    read)."""
+    sums = [0.0] * levels
+    for i in range(1, len(depth)):
+        sums[depth[i] - 1] += values[i]
+    return sums
 
 
 def count_reach(hits: list[float], seen: list[float], accepted: int, verified_depth: int, memory: float) -> None:
@@ -771,15 +774,9 @@ class GoodputController:
             if i:
                 hits[depth[i] - 1] = 1.0
         if any(scores[1:]):
-            raw = [0.0] * levels
-            for i in range(1, tree.num_nodes):
-                raw[depth[i] - 1] += math.exp(scores[i])
-            stats.probability.observe_levels(raw, hits)
+            stats.probability.observe_levels(summed_by_depth([math.exp(x) for x in scores], depth, levels), hits)
         if rates is not None and len(rates) == tree.num_nodes:  # the rates selection read, against what was accepted
-            raw = [0.0] * levels
-            for i in range(1, tree.num_nodes):
-                raw[depth[i] - 1] += rates[i]
-            stats.rates.observe_levels(raw, hits)
+            stats.rates.observe_levels(summed_by_depth(rates, depth, levels), hits)
         if estimated is not None and len(estimated) == tree.num_nodes:
             for i in range(1, tree.num_nodes):
                 point = stats.curve.setdefault(depth[i], [0, 0.0, 0])

@@ -157,7 +157,9 @@ class StepCost:
         scale, curve = self._curve
         end = start + count + 1
         if scale != self.scale or len(curve) < end:
-            curve = [self(n) for n in range(max(end, 2 * len(curve) if scale == self.scale else end))]
+            # read again at a new scale as far as asked; at the same scale grown by doubling (read a few times in all)
+            size = end if scale != self.scale else max(end, 2 * len(curve))
+            curve = [self(n) for n in range(size)]
             self._curve = (self.scale, curve)
         return curve[start:end]
 
