@@ -1,0 +1,151 @@
+"""What the goodput controller's gating of prompt lookup leaves on the table, one row at a time.
+
+    python benchmarks/lookup_gating.py --target ../shared/models/stories260K --rounds 3
+
+Runs prompt lookup's fixed trie and prompt lookup under `Adaptive` on the same
+prompts, back to back per prompt, one row each, greedy. For each it reports the
+steps that verified a tree and those that did not: how many, their time, the
+draft nodes verified and the tokens accepted. On every step where the adaptive
+row verified no tree, the row's lookup state is asked on the side what it would
+have proposed (its n-gram index is all it reads); once the generation is done,
+that proposal is settled against the text committed after it: how many of its
+tokens the target's greedy output went on to repeat, which is what verification
+would have accepted. The last table splits the fixed trie's steps by the
+evidence behind its match: the matched suffix's length n, and how many of the
+recent occurrences agree on the likeliest first token.
+
+Both methods' text is the target's greedy output, so the two runs differ only
+in where each speculated; the settled proposals show whether the steps the
+controller skipped were the poor ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+import specgraft as sg
+from specgraft.tools.prompts import encode_prompt, read_prompt_file
+from specgraft.heads.prompt_lookup import PromptLookupState
+
+
+def reached(history: list[int], position: int, tree: sg.Tree) -> int:
+    """How deep ``tree``, proposed with its root at ``history[position]``, matches the tokens after it."""
+    tokens, parents, depth = tree.tokens.tolist(), tree.parent_list, tree.depth_list
+    matched, best = {0}, 0
+    for i in range(1, len(tokens)):
+        at = position + depth[i]
+        if parents[i] in matched and at < len(history) and history[at] == tokens[i]:
+            matched.add(i)
+            best = max(best, depth[i])
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--prompts", default="../shared/data/story_prompts_dev.jsonl")
+    parser.add_argument("--limit", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target = sg.load_target(args.target, threads=args.threads)
+    prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts)][: args.limit]
+    methods = {"prompt-lookup": sg.SpeculativeGenerator(target, sg.PromptLookup()),
+               "prompt-lookup adaptive": sg.SpeculativeGenerator(target, sg.PromptLookup(), tree=sg.Adaptive())}
+
+    # Per step: the method, whether a tree was verified, seconds, nodes, tokens accepted; the trie's evidence.
+    arm: list[str] = [""]
+    steps: dict[tuple[str, bool], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+    side: list[tuple[int, sg.Tree]] = []  # this generation's proposals on the side: (root position, tree)
+    match: list[tuple[int, int]] = [(0, 0)]  # the trie's last match: (n, occurrences agreeing on its first token)
+    evidence: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0])  # -> steps, tokens accepted
+
+    continuations = PromptLookupState._continuations
+
+    def continuations_seen(self, root_token, depth):
+        found = continuations(self, root_token, depth)
+        firsts = [b[0] for b in found if b]
+        history = self._history
+        n = min(self.lookup.max_ngram, len(history))  # the longest suffix that recurs, as the lookup searched
+        while n >= self.lookup.min_ngram and not self.ends.get((*history[len(history) - n + 1 :], root_token)):
+            n -= 1
+        match[0] = (n, max(map(firsts.count, firsts), default=0))
+        return found
+
+    PromptLookupState._continuations = continuations_seen
+    advance, draft = sg.Scheduler._advance, sg.Scheduler._draft
+
+    def advance_timed(self, live, events):
+        drafts, accepted, nodes = self.counters.drafts, self.counters.accepted_tokens, self.counters.draft_tokens
+        start = time.perf_counter()
+        advance(self, live, events)
+        seconds = time.perf_counter() - start
+        tree = self.counters.draft_tokens > nodes
+        row = steps[(arm[0], tree)]
+        row[0] += 1
+        row[1] += seconds
+        row[2] += self.counters.draft_tokens - nodes
+        row[3] += self.counters.accepted_tokens - accepted
+        if tree and arm[0] == "prompt-lookup":
+            evidence[match[0]][0] += 1
+            evidence[match[0]][1] += self.counters.accepted_tokens - accepted
+
+    def draft_and_look(self, live, events):
+        trees = draft(self, live, events)
+        if arm[0] == "prompt-lookup adaptive":
+            for request in live:
+                if request.draft is not None and trees.get(request.handle, None) is not None and not request.drafted:
+                    side.append((len(request.cache), request.draft.propose(request.root, None, 8)))
+        return trees
+
+    sg.Scheduler._advance, sg.Scheduler._draft = advance_timed, draft_and_look
+    for name, gen in methods.items():  # warm-up
+        arm[0] = name
+        gen.generate_batch(prompts[:2], max_new_tokens=8, eos_token_id=())
+    steps.clear()
+    evidence.clear()
+    skipped = [0, 0, 0]  # adaptive's steps without a tree where lookup matched: steps, tokens it would have accepted, nodes
+    for _ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            order = list(methods) if i % 2 == 0 else list(reversed(methods))
+            for name in order:
+                arm[0] = name
+                side.clear()
+                out = methods[name].generate_batch([prompt], max_new_tokens=args.max_new_tokens, eos_token_id=())[0]
+                history = list(prompt) + list(out.token_ids)
+                for position, tree in side:
+                    if tree.num_nodes > 1:
+                        skipped[0] += 1
+                        skipped[1] += reached(history, position, tree)
+                        skipped[2] += tree.num_nodes - 1
+    rows = [{"method": name, "tree verified": tree, "steps": int(n), "us per step": s / n * 1e6,
+             "nodes per step": nodes / n, "accepted per step": acc / n}
+            for (name, tree), (n, s, nodes, acc) in sorted(steps.items()) if n]
+    print("| method | tree verified | steps | us per step | nodes per step | accepted per step |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['method']} | {'yes' if r['tree verified'] else 'no'} | {r['steps']} | {r['us per step']:.0f} | "
+              f"{r['nodes per step']:.2f} | {r['accepted per step']:.2f} |")
+    if skipped[0]:
+        print(f"\nAdaptive steps without a tree where lookup matched: {skipped[0]}; settled against the text, its whole "
+              f"trie ({skipped[2] / skipped[0]:.1f} nodes) would have accepted {skipped[1] / skipped[0]:.2f} tokens each.")
+    print("\n| fixed trie's match: n | occurrences agreeing | steps | accepted per step |")
+    print("|---:|---:|---:|---:|")
+    for (n, agree), (count, acc) in sorted(evidence.items()):
+        print(f"| {n} | {agree} | {count} | {acc / count:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": rows, "skipped": skipped,
+                       "evidence": [[n, a, c, t] for (n, a), (c, t) in sorted(evidence.items())]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
