@@ -84,7 +84,7 @@ def main() -> None:
     advance, draft = sg.Scheduler._advance, sg.Scheduler._draft
 
     def advance_timed(self, live, events):
-        drafts, accepted, nodes = self.counters.drafts, self.counters.accepted_tokens, self.counters.draft_tokens
+        accepted, nodes = self.counters.accepted_tokens, self.counters.draft_tokens
         start = time.perf_counter()
         advance(self, live, events)
         seconds = time.perf_counter() - start
@@ -112,7 +112,8 @@ def main() -> None:
         gen.generate_batch(prompts[:2], max_new_tokens=8, eos_token_id=())
     steps.clear()
     evidence.clear()
-    skipped = [0, 0, 0]  # adaptive's steps without a tree where lookup matched: steps, tokens it would have accepted, nodes
+    # adaptive's steps without a tree where lookup matched: steps, tokens it would have accepted, nodes
+    skipped = [0, 0, 0]
     for _ in range(args.rounds):
         for i, prompt in enumerate(prompts):
             order = list(methods) if i % 2 == 0 else list(reversed(methods))
@@ -135,8 +136,9 @@ def main() -> None:
         print(f"| {r['method']} | {'yes' if r['tree verified'] else 'no'} | {r['steps']} | {r['us per step']:.0f} | "
               f"{r['nodes per step']:.2f} | {r['accepted per step']:.2f} |")
     if skipped[0]:
-        print(f"\nAdaptive steps without a tree where lookup matched: {skipped[0]}; settled against the text, its whole "
-              f"trie ({skipped[2] / skipped[0]:.1f} nodes) would have accepted {skipped[1] / skipped[0]:.2f} tokens each.")
+        print(f"\nAdaptive steps without a tree where lookup matched: {skipped[0]}; settled against the text, "
+              f"its whole trie ({skipped[2] / skipped[0]:.1f} nodes) would have accepted "
+              f"{skipped[1] / skipped[0]:.2f} tokens each.")
     print("\n| fixed trie's match: n | occurrences agreeing | steps | accepted per step |")
     print("|---:|---:|---:|---:|")
     for (n, agree), (count, acc) in sorted(evidence.items()):
