@@ -156,7 +156,9 @@ class DrafterStats:
     rates: Calibration = field(default_factory=Calibration)
     # Over its trees without probabilities, whose siblings split a depth's reach evenly (prompt lookup's matches):
     # by depth, the trees (as predicted) and the sum of 1 / their nodes there (as accepted), so that its factor is
-    # the share of a level's reach its likeliest node holds.
+    # the share of a level's reach its likeliest node holds (1 for a chain): a plan of one node a level counts on that
+    # much (stories260K, prompt lookup at batch 1: plans counting the whole reach drafted tries whose siblings
+    # selection then cut, every one).
     split: Calibration = field(default_factory=lambda: Calibration(memory=DRAFTER_MEMORY))
     reach: list[float] = field(default_factory=list)  # [d - 1]: P(the accepted path reaches d | verified to d)
     hits: list[float] = field(default_factory=list)  # [d - 1]: recent steps verified to d whose path reached d
@@ -247,42 +249,24 @@ class DrafterStats:
         return [{"depth": d, "nodes": int(n), "estimated": total / n, "observed": hits / n}
                 for d, (n, total, hits) in sorted(self.curve.items()) if n]
 
-    def factor(self, depth: int) -> float:
-        """Calibration of its path probabilities at ``depth`` (see `Calibration.factor`)."""
-        return self.probability.factor(depth)
-
     def reach_at(self, depth: int) -> float:
         return self.reach[depth - 1] if depth <= len(self.reach) else REACH_PRIOR**depth
-
-    def share_at(self, depth: int) -> float:
-        """The share of the reach at ``depth`` its likeliest node holds, on average (1 for a chain), pulled toward 1
-        by `PRIOR_WEIGHT` pseudo-trees: a plan of one node a level counts on that much (stories260K, prompt lookup
-        at batch 1: plans counting the whole reach drafted tries whose siblings selection then cut, every one)."""
-        return self.split.factor(depth)
 
     def observe_split(self, counts: list[int]) -> None:
         """A drafted tree without probabilities: ``counts[d]`` its nodes at depth d (``counts[0]``, the root's, is
         not read)."""
         self.split.observe_levels([1.0] * (len(counts) - 1), [1 / n for n in counts[1:]])  # nodes at every depth to its deepest
 
-    def observe_reach(self, accepted: int, verified_depth: int) -> None:
-        """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: its reach by depth, counted over
-        its recent steps (an EMA of weight 0.2 wandered 0.13-0.41 around SmolLM2's EAGLE-3 0.23), pulled toward
-        `REACH_PRIOR` by `PRIOR_WEIGHT` pseudo-steps."""
-        self.count_reach(accepted, verified_depth)
-        self.settle_reach()
-
     def count_reach(self, accepted: int, verified_depth: int) -> None:
-        """`observe_reach`'s counts alone: a pass of trees counts each and settles the reach once (`settle_reach`)."""
+        """A step verified to ``verified_depth`` accepted ``accepted`` draft tokens: counted over its recent steps by
+        depth (an EMA of weight 0.2 wandered 0.13-0.41 around SmolLM2's EAGLE-3 0.23). A pass of trees counts each and
+        settles the reach once (`settle_reach`)."""
         count_reach(self.hits, self.seen, accepted, verified_depth, DRAFTER_MEMORY)
 
     def settle_reach(self) -> None:
+        """Its reach by depth from the counts, pulled toward `REACH_PRIOR` by `PRIOR_WEIGHT` pseudo-steps."""
         self.reach = [(h + PRIOR_WEIGHT * REACH_PRIOR**d) / (n + PRIOR_WEIGHT)
                       for d, (h, n) in enumerate(zip(self.hits, self.seen), start=1)]
-
-    def observe(self, depth: int, raw: float, accepted: bool) -> None:
-        """A verified node at ``depth`` whose path probability was ``raw``."""
-        self.probability.observe(depth, raw, accepted)
 
 
 @dataclass

@@ -263,10 +263,10 @@ def test_plans_count_on_the_share_of_a_levels_reach_its_likeliest_node_holds_whe
     three = tree_of([-1, 0, 0, 0], tokens=[5, 6, 7, 8])  # three matches disagree at depth 1
     for _ in range(20):
         ctl.select([Candidate(0, d, three, True)])
-    assert stats.share_at(1) == pytest.approx((20 / 3 + 4) / (20 + 4))
+    assert stats.split.factor(1) == pytest.approx((20 / 3 + 4) / (20 + 4))
     stats.moved()
     assert ctl.plan([(0, d, 1)], batch=1) == {0: 0}  # 0.3 x 0.44 < 0.2
-    assert stats.share_at(2) == 1.0  # never split: whole
+    assert stats.split.factor(2) == 1.0  # never split: whole
 
 
 def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
@@ -274,12 +274,14 @@ def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
 
     stats = DrafterStats()
     for step in range(40):  # depth 1 reached every fourth step, depth 2 never
-        stats.observe_reach(1 if step % 4 == 0 else 0, 2)
+        stats.count_reach(1 if step % 4 == 0 else 0, 2)
+    stats.settle_reach()
     assert stats.reach_at(1) == pytest.approx((10 + PRIOR_WEIGHT * REACH_PRIOR) / (40 + PRIOR_WEIGHT))
     assert stats.reach_at(2) == pytest.approx(PRIOR_WEIGHT * REACH_PRIOR**2 / (40 + PRIOR_WEIGHT))
     assert stats.reach_at(3) == REACH_PRIOR**3  # never verified: the prior
     for _ in range(int(DRAFTER_MEMORY) * 4):  # the text moves on: every step reaches depth 1 now
-        stats.observe_reach(1, 1)
+        stats.count_reach(1, 1)
+    stats.settle_reach()
     assert stats.reach_at(1) > 0.95  # old steps halved away
 
 
@@ -329,7 +331,7 @@ def test_selection_takes_the_best_nodes_across_rows_and_keeps_parents_before_chi
     # A child can never be kept without its parent, even when calibration would rank it above it.
     stats = ctl.stats(d)
     for _ in range(50):
-        stats.observe(2, 0.05, True)  # depth-2 nodes were always accepted: calibrated up to 1
+        stats.probability.observe(2, 0.05, True)  # depth-2 nodes were always accepted: calibrated up to 1
     est = ctl.estimates(Candidate(0, d, sure, True))
     assert est[2] <= est[1] <= 1.0
 
@@ -428,11 +430,11 @@ def test_a_plan_holds_until_what_it_read_moves_and_then_is_made_again():
 
 def test_calibration_learns_accepted_over_predicted_by_depth_from_a_prior_of_one():
     stats = DrafterStats()
-    assert stats.factor(1) == 1.0
+    assert stats.probability.factor(1) == 1.0
     for _ in range(40):
-        stats.observe(1, 0.8, accepted=False)
-        stats.observe(1, 0.8, accepted=True)
-    assert stats.factor(1) == pytest.approx((40 + 4) / (64 + 4))
+        stats.probability.observe(1, 0.8, accepted=False)
+        stats.probability.observe(1, 0.8, accepted=True)
+    assert stats.probability.factor(1) == pytest.approx((40 + 4) / (64 + 4))
 
 
 def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selection_kept_and_was_accepted():
@@ -447,7 +449,7 @@ def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selecti
     factor = (15 + 4) / (60 * 0.8 + 4)  # accepted over the raw rates selection read, pulled toward 1 by 4
     assert stats.rates.factor(1) == pytest.approx(factor)
     assert stats.rates.factor(2) == pytest.approx(4 / (60 * 0.6 + 4))  # depth 2 was never reached
-    assert stats.factor(1) == 1.0  # path probabilities are calibrated apart
+    assert stats.probability.factor(1) == 1.0  # path probabilities are calibrated apart
     ctl.row(0).reach = [0.8, 0.6]
     est = ctl.estimates(Candidate(0, d, lookup, True))
     assert est[1] == pytest.approx(0.8 * factor) and est[2] <= est[1]
@@ -657,8 +659,8 @@ def test_drafters_learn_a_pass_of_trees_at_a_time_rows_at_once_and_as_one_by_one
     for a, b in zip(s4.calibration_curve(), s1.calibration_curve(), strict=True):
         assert a == pytest.approx(b)
     assert s4.reach == pytest.approx(s1.reach) and len(s1.reach) == 2
-    assert [s4.factor(1), s4.factor(2), s4.rates.factor(1), s4.rates.factor(2)] == pytest.approx(
-        [s1.factor(1), s1.factor(2), s1.rates.factor(1), s1.rates.factor(2)])
+    assert [s4.probability.factor(1), s4.probability.factor(2), s4.rates.factor(1), s4.rates.factor(2)] == pytest.approx(
+        [s1.probability.factor(1), s1.probability.factor(2), s1.rates.factor(1), s1.rates.factor(2)])
 
 
 # --------------------------------------------------------------------------- exact end to end
