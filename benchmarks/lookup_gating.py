@@ -3,9 +3,9 @@
     python benchmarks/lookup_gating.py --target ../shared/models/stories260K --rounds 3
 
 Runs prompt lookup's fixed trie and prompt lookup under `Adaptive` on the same
-prompts, back to back per prompt, one row each, greedy. For each it reports the
-steps that verified a tree and those that did not: how many, their time, the
-draft nodes verified and the tokens accepted. On every step where the adaptive
+prompts, back to back per prompt, one row each, greedy. For each it reports its
+tokens per second and the steps that verified a tree and those that did not:
+how many, their time, the draft nodes verified and the tokens accepted. On every step where the adaptive
 row verified no tree, the row's lookup state is asked on the side what it would
 have proposed (its n-gram index is all it reads); once the generation is done,
 that proposal is settled against the text committed after it: how many of its
@@ -114,13 +114,17 @@ def main() -> None:
     evidence.clear()
     # adaptive's steps without a tree where lookup matched: steps, tokens it would have accepted, nodes
     skipped = [0, 0, 0]
+    wall, tokens = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0)
     for _ in range(args.rounds):
         for i, prompt in enumerate(prompts):
             order = list(methods) if i % 2 == 0 else list(reversed(methods))
             for name in order:
                 arm[0] = name
                 side.clear()
+                start = time.perf_counter()
                 out = methods[name].generate_batch([prompt], max_new_tokens=args.max_new_tokens, eos_token_id=())[0]
+                wall[name] += time.perf_counter() - start
+                tokens[name] += len(out.token_ids)
                 history = list(prompt) + list(out.token_ids)
                 for position, tree in side:
                     if tree.num_nodes > 1:
@@ -130,7 +134,11 @@ def main() -> None:
     rows = [{"method": name, "tree verified": tree, "steps": int(n), "us per step": s / n * 1e6,
              "nodes per step": nodes / n, "accepted per step": acc / n}
             for (name, tree), (n, s, nodes, acc) in sorted(steps.items()) if n]
-    print("| method | tree verified | steps | us per step | nodes per step | accepted per step |")
+    rate = {name: tokens[name] / wall[name] for name in methods}
+    print("| method | tokens/s | x the trie |\n|---|---:|---:|")
+    for name in methods:
+        print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate['prompt-lookup']:.3f} |")
+    print("\n| method | tree verified | steps | us per step | nodes per step | accepted per step |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['method']} | {'yes' if r['tree verified'] else 'no'} | {r['steps']} | {r['us per step']:.0f} | "
@@ -145,7 +153,7 @@ def main() -> None:
         print(f"| {n} | {agree} | {count} | {acc / count:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": rows, "skipped": skipped,
+            json.dump({"tokens_per_s": rate, "steps": rows, "skipped": skipped,
                        "evidence": [[n, a, c, t] for (n, a), (c, t) in sorted(evidence.items())]}, f, indent=2)
 
 
