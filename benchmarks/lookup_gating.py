@@ -5,14 +5,15 @@
 Runs prompt lookup's fixed trie and prompt lookup under `Adaptive` on the same
 prompts, back to back per prompt, one row each, greedy. For each it reports its
 tokens per second and the steps that verified a tree and those that did not:
-how many, their time, the draft nodes verified and the tokens accepted. On every step where the adaptive
-row verified no tree, the row's lookup state is asked on the side what it would
-have proposed (its n-gram index is all it reads); once the generation is done,
-that proposal is settled against the text committed after it: how many of its
-tokens the target's greedy output went on to repeat, which is what verification
-would have accepted. The last table splits the fixed trie's steps by the
-evidence behind its match: the matched suffix's length n, and how many of the
-recent occurrences agree on the likeliest first token.
+how many, their time, the draft nodes verified and the tokens accepted. On
+every step where the adaptive row verified no tree, the row's lookup state is
+asked on the side what it would have proposed (its n-gram index is all it
+reads); once the generation is done, that proposal is settled against the text
+committed after it: how many of its tokens the target's greedy output went on
+to repeat, which is what verification would have accepted. The last table
+splits the fixed trie's steps by the evidence behind its match: the matched
+suffix's length n, and how many of the recent occurrences agree on the
+likeliest first token.
 
 Both methods' text is the target's greedy output, so the two runs differ only
 in where each speculated; the settled proposals show whether the steps the
@@ -68,19 +69,20 @@ def main() -> None:
     match: list[tuple[int, int]] = [(0, 0)]  # the trie's last match: (n, occurrences agreeing on its first token)
     evidence: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0])  # -> steps, tokens accepted
 
-    continuations = PromptLookupState._continuations
+    continuations, longest_match = PromptLookupState._continuations, PromptLookupState._longest_match
+
+    def match_seen(self, root_token):
+        n, ends = longest_match(self, root_token)
+        match[0] = (n, 0)
+        return n, ends
 
     def continuations_seen(self, root_token, depth):
         found = continuations(self, root_token, depth)
         firsts = [b[0] for b in found if b]
-        history = self._history
-        n = min(self.lookup.max_ngram, len(history))  # the longest suffix that recurs, as the lookup searched
-        while n >= self.lookup.min_ngram and not self.ends.get((*history[len(history) - n + 1 :], root_token)):
-            n -= 1
-        match[0] = (n, max(map(firsts.count, firsts), default=0))
+        match[0] = (match[0][0], max(map(firsts.count, firsts), default=0))
         return found
 
-    PromptLookupState._continuations = continuations_seen
+    PromptLookupState._continuations, PromptLookupState._longest_match = continuations_seen, match_seen
     advance, draft = sg.Scheduler._advance, sg.Scheduler._draft
 
     def advance_timed(self, live, events):
@@ -102,8 +104,9 @@ def main() -> None:
         trees = draft(self, live, events)
         if arm[0] == "prompt-lookup adaptive":
             for request in live:
-                if request.draft is not None and trees.get(request.handle, None) is not None and not request.drafted:
-                    side.append((len(request.cache), request.draft.propose(request.root, None, 8)))
+                if request.draft is not None and request.handle in trees and not request.drafted:
+                    proposed = request.draft.propose(request.root, None, request.draft.lookup.num_tokens)
+                    side.append((len(request.cache), proposed))
         return trees
 
     sg.Scheduler._advance, sg.Scheduler._draft = advance_timed, draft_and_look

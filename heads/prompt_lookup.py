@@ -96,13 +96,20 @@ class PromptLookupState:
     def _continuations(self, root_token: int, depth: int) -> list[list[int]]:
         """What followed the most recent earlier occurrences of the longest recurring suffix of history + root."""
         history, size = self._history, len(self._history)
+        _, ends = self._longest_match(root_token)
+        recent = ends[: -self.lookup.max_matches - 1 : -1]  # most recent first
+        # A continuation may run into the root itself: history + [root] read without copying history.
+        return [history[e : e + depth] + [root_token] * (e + depth > size) for e in recent]
+
+    def _longest_match(self, root_token: int) -> tuple[int, list[int]]:
+        """(n, the ends of its earlier occurrences) for the longest suffix of history + root, n tokens long, that
+        occurred before; (0, []) where none did."""
+        history, size = self._history, len(self._history)
         for n in range(min(self.lookup.max_ngram, size), self.lookup.min_ngram - 1, -1):
             ends = self.ends.get((*history[size - n + 1 :], root_token))  # the suffix ends at the root
             if ends:
-                recent = ends[: -self.lookup.max_matches - 1 : -1]  # most recent first
-                # A continuation may run into the root itself: history + [root] read without copying history.
-                return [history[e : e + depth] + [root_token] * (e + depth > size) for e in recent]
-        return []
+                return n, ends
+        return 0, []
 
 
 def _trie(root_token: int, branches: list[list[int]]) -> Tree:
