@@ -27,8 +27,6 @@ import json
 import time
 from collections import defaultdict
 
-import torch
-
 import specgraft as sg
 from specgraft.tools.prompts import encode_prompt, read_prompt_file
 from specgraft.heads.prompt_lookup import PromptLookupState
@@ -56,7 +54,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     target = sg.load_target(args.target, threads=args.threads)
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts)][: args.limit]
     methods = {"prompt-lookup": sg.SpeculativeGenerator(target, sg.PromptLookup()),

@@ -30,8 +30,6 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-
 import specgraft as sg
 from specgraft.heads import drafter_from_spec
 from specgraft.infer import GoodputController
@@ -84,7 +82,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     target = sg.load_target(args.target, threads=args.threads)
     prompts = [json.loads(line)["turns"][0] for line in open(args.prompts) if line.strip()]
     gen = sg.SpeculativeGenerator(target, drafter_from_spec(args.drafter, target), tree=sg.parse_tree_spec(args.tree))
