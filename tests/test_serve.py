@@ -464,9 +464,9 @@ def test_bench_server_pairs_each_rounds_pass_with_speculation_on_with_its_pass_o
     real = module.run_level
     walls = {True: iter([2.0, 2.0, 2.0]), False: iter([1.0, 2.0, 4.0])}  # off, on: ratios 2, 1 and 0.5
 
-    async def timed(client, model, prompts, level, max_tokens, speculative):
-        timings, _ = await real(client, model, prompts, level, max_tokens, speculative)
-        return timings, next(walls[speculative["drafter"] == "none"])
+    async def timed(mode, prompts, level, max_tokens):
+        timings, _ = await real(mode, prompts, level, max_tokens)
+        return timings, next(walls[mode.label == "off"])
 
     monkeypatch.setattr(module, "run_level", timed)
     prompts = tmp_path / "prompts.txt"

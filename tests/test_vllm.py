@@ -137,3 +137,52 @@ def test_export_decodes_and_accepts_as_specgraft(head_type, vllm_python, target_
     assert theirs.spec["drafts"] == ours["drafts"]
     assert theirs.spec["draft_tokens"] == DEPTH * ours["drafts"]
     assert theirs.spec["accepted_per_pos"] == ours["accepted_per_pos"]
+
+
+# -- SmolLM2-135M-Instruct, where materialized (conftest.SMOLLM2) ---------------------------------------------------
+
+SMOLLM2_NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle3(smollm2, tmp_path_factory) -> tuple[Path, Path]:
+    """An EAGLE-3 head over SmolLM2 with a 2K draft vocabulary, trained for a minute on the target's own greedy
+    answers to 16 GSM8K *train* questions (12 full-batch steps: it accepts at depth 1): (head directory, its vLLM
+    export)."""
+    from conftest import SHARED
+    from specgraft.tools.prompts import encode_prompt, read_prompt_file
+
+    questions = read_prompt_file(SHARED / "data" / "gsm8k_train.jsonl", limit=16)
+    prompts = [encode_prompt(smollm2, q.text) for q in questions]
+    answers = sg.SpeculativeGenerator(smollm2, None).generate_batch(prompts, max_new_tokens=48)
+    examples = [{"input_ids": p + a.token_ids, "loss_mask": [0] * len(p) + [1] * len(a.token_ids)}
+                for p, a in zip(prompts, answers)]
+    counts = torch.bincount(torch.tensor([t for e in examples for t in e["input_ids"]]), minlength=smollm2.vocab_size)
+    torch.manual_seed(0)
+    head = build_head(Eagle3Config(draft_vocab_size=2048, ttt_length=3), smollm2)
+    head.set_draft_vocab(counts, smollm2)
+    fit(head, smollm2, examples, steps=12, lr=1e-2)
+    root = tmp_path_factory.mktemp("smollm2-eagle3")
+    head_dir = save_head(head, root / "head", smollm2)
+    return head_dir, export_head(head_dir, "vllm", root / "vllm", smollm2)
+
+
+def test_smollm2_eagle3_export_decodes_and_accepts_as_specgraft(vllm_python, smollm2, smollm2_eagle3):
+    from conftest import SHARED, SMOLLM2
+    from specgraft.tools.prompts import encode_prompt, read_prompt_file
+
+    head_dir, served_dir = smollm2_eagle3
+    prompts = [encode_prompt(smollm2, q.text) for q in read_prompt_file(SHARED / "data" / "gsm8k_test.jsonl", limit=8)]
+    plain = [o.token_ids for o in sg.SpeculativeGenerator(smollm2, None).generate_batch(
+        prompts, max_new_tokens=SMOLLM2_NEW_TOKENS, eos_token_id=())]
+    generator = sg.SpeculativeGenerator(smollm2, sg.load_drafter(head_dir, smollm2), tree=sg.Chain(DEPTH))
+    ours = accepted_per_position(generator, prompts, SMOLLM2_NEW_TOKENS, DEPTH)
+    assert ours["token_ids"] == plain
+    assert ours["accepted_per_pos"][0] > 0, f"the head should accept: {ours}"
+
+    with VLLMEngine(SMOLLM2, python=vllm_python, core=0, enforce_eager=True, max_model_len=1024, kv_cache_gib=1,
+                    speculative_config=speculative_config("eagle3", served_dir, DEPTH)) as engine:
+        theirs = engine.generate(prompts, SMOLLM2_NEW_TOKENS)
+    assert theirs.token_ids == plain
+    assert theirs.spec["drafts"] == ours["drafts"]
+    assert theirs.spec["accepted_per_pos"] == ours["accepted_per_pos"]

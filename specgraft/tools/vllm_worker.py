@@ -14,7 +14,8 @@ request, answered by one line:
 - ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": N, "temperature": 0.0, "ignore_eos": true}``:
   every prompt's ``token_ids``, the call's ``wall_s`` (``LLM.generate`` alone), each request's ``ttft_s`` and
   ``decode_s``, and ``spec``: the spec-decode counters this call added (vLLM's ``spec_decode_num_drafts``,
-  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
+  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``); with speculation and
+  ``per_request_spec_decode_metrics`` on, each request's ``histograms`` (steps by accepted drafts: [j] accepted j).
 
 Answers go to the stdout the worker was started with; vLLM's own logs (it logs
 to stdout) are moved to stderr first, so they never mix with answers. The
@@ -77,11 +78,13 @@ def generate(llm, request: dict) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     answer = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "wall_s": wall,
-              "spec": difference(spec_counters(llm), before), "ttft_s": [], "decode_s": []}
+              "spec": difference(spec_counters(llm), before), "ttft_s": [], "decode_s": [], "histograms": []}
     for o in outputs:
         m = o.metrics  # RequestStateStats: engine-core timestamps, monotonic
         answer["ttft_s"].append(getattr(m, "first_token_latency", None) if m else None)
         answer["decode_s"].append(m.last_token_ts - m.first_token_ts if m and m.first_token_ts else None)
+        spec = getattr(o.outputs[0], "spec_decode_metrics", None)  # with per_request_spec_decode_metrics="summary"
+        answer["histograms"].append(list(spec.histogram) if spec is not None else None)
     return answer
 
 
