@@ -139,6 +139,82 @@ def test_export_decodes_and_accepts_as_specgraft(head_type, vllm_python, target_
     assert theirs.spec["accepted_per_pos"] == ours["accepted_per_pos"]
 
 
+# -- the bench, vLLM beside specgraft --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_setup(target_dir, target, examples, tmp_path_factory):
+    """The tiny target with stories260K's tokenizer (the same 512 ids: the bench reads text prompts), a trained EAGLE
+    head, and a prompt file."""
+    import shutil
+
+    from conftest import DEV_PROMPTS, STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+    root = tmp_path_factory.mktemp("bench")
+    model = root / "tiny-llama-hd64-tok"
+    shutil.copytree(target_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / name, model / name)
+    head_dir, _ = trained_head("eagle", target, examples, root)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(DEV_PROMPTS.read_text().splitlines(keepends=True)[:4]))
+    return model, head_dir, prompts
+
+
+def test_batch_bench_runs_vllm_beside_specgraft(vllm_python, bench_setup, tmp_path, capsys):
+    import json
+
+    from specgraft.cli import main
+
+    model, head_dir, prompts = bench_setup
+    assert main(["bench", "--target", str(model), "--drafter", str(head_dir), "--tree", "chain:2", "--batch-size", "1,2",
+                 "--prompts", str(prompts), "--max-new-tokens", "16", "--threads", "1", "--vllm", "plain,chain:2",
+                 "--vllm-python", str(vllm_python), "--out", str(tmp_path / "out"), "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["greedy_identical"] and results["settings"]["vllm"]["version"].startswith("0.32")
+    label = head_dir.name
+    rows = {(r["method"], r["batch_size"]): r for r in results["rows"]}
+    assert set(rows) == {(m, b) for m in ("plain", f"{label} chain:2", "vllm plain", f"vllm {label} chain:2") for b in (1, 2)}
+    assert rows["vllm plain", 1]["engine"] == "vllm" and rows["vllm plain", 1]["mean_accepted_length"] == 1.0
+    assert rows[f"vllm {label} chain:2", 1]["mean_accepted_length"] > 1.0  # its drafts accepted
+    assert "Against vllm plain" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_server_bench_puts_vllm_serve_in_the_rotation(vllm_python, bench_setup, tmp_path):
+    import json
+
+    from serve_helpers import ServerThread
+
+    from specgraft.cli import main
+    from specgraft.infer.server import create_app
+    from specgraft.tools.vllm_engine import VLLMServer, speculative_config, vllm_draft_dir
+
+    model, head_dir, prompts = bench_setup
+    ours = sg.load_target(model)
+    kind, draft_dir = vllm_draft_dir(head_dir, tmp_path / "export", ours)
+    spec = ["--speculative-config", json.dumps(speculative_config(kind, draft_dir, 2))]
+    running = ServerThread(create_app(ours, {"eagle": sg.load_drafter(head_dir, ours)}, default_drafter="eagle",
+                                      default_tree=sg.Chain(2), max_batch_size=4)).start()
+    try:
+        with VLLMServer(model, ["--enforce-eager", *spec], python=vllm_python, core=0, max_model_len=512,
+                        kv_cache_gib=1) as theirs:
+            assert main(["bench", "--server", running.url, "--vllm-server", f"eagle-chain2={theirs.url}",
+                         "--concurrency", "1,2", "--prompts", str(prompts), "--max-new-tokens", "16",
+                         "--out", str(tmp_path / "out")]) == 0
+    finally:
+        running.stop()
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["greedy_identical"]
+    assert [(r["concurrency"], r["speculative"]) for r in results["levels"]] == [
+        (c, m) for c in (1, 2) for m in ("off", "on", "vllm eagle-chain2")]
+    vllm_rows = [r for r in results["levels"] if r["engine"] == "vllm"]
+    assert all(r["completion_tokens"] == 4 * 16 and r["tokens_per_target_call"] > 1.0 for r in vllm_rows)
+    assert [(a["specgraft"], a["vllm"]) for a in results["against_vllm"]] == [
+        ("off", "vllm eagle-chain2"), ("on", "vllm eagle-chain2")] * 2
+
+
 # -- SmolLM2-135M-Instruct, where materialized (conftest.SMOLLM2) ---------------------------------------------------
 
 SMOLLM2_NEW_TOKENS = 48
@@ -186,3 +262,99 @@ def test_smollm2_eagle3_export_decodes_and_accepts_as_specgraft(vllm_python, smo
     assert theirs.token_ids == plain
     assert theirs.spec["drafts"] == ours["drafts"]
     assert theirs.spec["accepted_per_pos"] == ours["accepted_per_pos"]
+
+
+# -- regeneration through `vllm serve` (SmolLM2) ---------------------------------------------------------------------
+
+REGEN_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(vllm_python, smollm2):
+    """`vllm serve` on SmolLM2, float32, on 127.0.0.1 (its chat template is the model directory's, as ours)."""
+    from conftest import SMOLLM2
+    from specgraft.tools.vllm_engine import VLLMServer
+
+    with VLLMServer(SMOLLM2, ["--enforce-eager", "--max-num-seqs", "8"], python=vllm_python, core=0,
+                    max_model_len=1024, kv_cache_gib=1) as server:
+        yield server
+
+
+def gsm8k_train(count: int) -> list[dict]:
+    """The first GSM8K *train* questions as chat records (regeneration rewrites their answers)."""
+    from conftest import SHARED
+    from specgraft.train.data import load_records
+
+    return [{"id": r["id"], "messages": r["messages"][:1]} for r in load_records(SHARED / "data" / "gsm8k_train.jsonl")[:count]]
+
+
+def lines(path) -> dict[str, dict]:
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    by_id = {r["id"]: r for r in records}
+    assert len(by_id) == len(records), "a record was written twice"
+    return by_id
+
+
+def test_greedy_regeneration_through_vllm_serve_equals_in_process(smollm2, smollm2_server, tmp_path):
+    from specgraft.train.endpoint import EndpointClient
+    from specgraft.train.regeneration import regenerate
+
+    inputs = gsm8k_train(8)
+    local = regenerate(smollm2, inputs, tmp_path / "local.jsonl", max_new_tokens=REGEN_NEW_TOKENS, temperature=0,
+                       progress=False)
+    remote = regenerate(smollm2, inputs, tmp_path / "vllm.jsonl", max_new_tokens=REGEN_NEW_TOKENS, temperature=0,
+                        progress=False, endpoint=EndpointClient(smollm2_server.url, smollm2.tokenizer, max_retries=0),
+                        concurrency=4)
+    assert remote.written == local.written == len(inputs)
+    assert lines(tmp_path / "vllm.jsonl") == lines(tmp_path / "local.jsonl")
+
+
+def test_regeneration_through_vllm_serve_resumes_after_sigkill(smollm2, smollm2_server, tmp_path):
+    """`specgraft regenerate` against vLLM, killed with SIGKILL after its first records, then run again: the records of
+    one uninterrupted in-process run, none lost and none twice."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from conftest import SMOLLM2
+    from specgraft.train.regeneration import regenerate
+
+    inputs = gsm8k_train(12)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in inputs))
+    out = tmp_path / "out.jsonl"
+    config = tmp_path / "regen.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": str(SMOLLM2)},
+        "head": {"type": "eagle3"},
+        "data": {"regenerate": {
+            "output": str(out), "prompts": str(prompts), "max_new_tokens": REGEN_NEW_TOKENS, "temperature": 0,
+            "endpoint": smollm2_server.url, "concurrency": 2, "dedupe": False,
+        }},
+        "training": {"output_dir": str(tmp_path / "run"), "num_threads": 1},
+    }))
+    command = [sys.executable, "-m", "specgraft.cli", "regenerate", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()[-2000:]}"
+    process.send_signal(signal.SIGKILL)
+    process.wait(30)
+    interrupted = out.read_text().count("\n")
+    assert 3 <= interrupted < len(inputs)
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    reference = tmp_path / "reference.jsonl"
+    regenerate(smollm2, inputs, reference, max_new_tokens=REGEN_NEW_TOKENS, temperature=0, dedupe=False, progress=False)
+    assert lines(out) == lines(reference)
