@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
-"""Records/s of in-process regeneration: specgraft's scheduler against HF `generate` in batches.
+"""Records/s of regeneration: specgraft's scheduler against HF `generate` in batches, and through `vllm serve`.
 
-Both runners answer the same prompts (a prompt file's first ``--prompts-count`` questions, as chat turns
-under the target's template) with the same sampling settings, ``--batch-size`` rows at a time. Runs
-alternate runner by runner for ``--repeats`` rounds, so a burst of load from other jobs hits both alike;
-each round writes a fresh file. HF `generate` holds a batch until its longest reply ends; the scheduler
-gives a finished row's slot to the next record at once.
+The runners answer the same prompts (a prompt file's first ``--prompts-count`` questions, as chat turns
+under the target's template) with the same sampling settings, ``--batch-size`` rows (or requests in
+flight) at a time. Runs alternate runner by runner for ``--repeats`` rounds, so a burst of load from other
+jobs hits all alike; each round writes a fresh file. HF `generate` holds a batch until its longest reply
+ends; the scheduler gives a finished row's slot to the next record at once. With ``--vllm``, vLLM's server
+(from .venv-vllm, bound to ``--vllm-core``) answers as a regeneration endpoint would at scale.
 
     python benchmarks/regeneration_speed.py --target ~/.cache/specgraft/models/SmolLM2-135M-Instruct \\
         --prompts ../shared/data/gsm8k_train.jsonl --prompts-count 64 --batch-size 32 --threads 2 \\
-        --out runs/regeneration_speed.json
+        --out runs/regeneration_speed.json [--vllm --runners scheduler,vllm-serve]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import tempfile
@@ -25,12 +27,14 @@ import torch
 
 import specgraft as sg
 from specgraft.train.data import load_records
+from specgraft.train.endpoint import EndpointClient
 from specgraft.train.regeneration import regenerate
 
-RUNNERS = ("scheduler", "hf-generate")
+RUNNERS = ("scheduler", "hf-generate", "vllm-serve")
 
 
-def run_once(target, records: list[dict], runner: str, args: argparse.Namespace, out: Path) -> dict:
+def run_once(target, records: list[dict], runner: str, args: argparse.Namespace, out: Path,
+             endpoint: EndpointClient | None = None) -> dict:
     fast = target.fast
     if runner == "hf-generate":
         target.fast = None  # regeneration takes HF generate's path, as for a target without the fast path
@@ -39,6 +43,7 @@ def run_once(target, records: list[dict], runner: str, args: argparse.Namespace,
         summary = regenerate(
             target, records, out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             batch_size=args.batch_size, seed=args.seed, resume=False, progress=False,
+            endpoint=endpoint if runner == "vllm-serve" else None, concurrency=args.batch_size,
         )
         seconds = time.perf_counter() - start
     finally:
@@ -62,17 +67,33 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-len", type=int, default=1024, help="vLLM's max_model_len (prompt + reply)")
+    parser.add_argument("--runners", default="scheduler,hf-generate", help=f"comma list of {', '.join(RUNNERS)}")
+    parser.add_argument("--vllm", action="store_true", help="start `vllm serve` on the target for the vllm-serve runner")
+    parser.add_argument("--vllm-core", type=int, default=0, help="the CPU core vLLM binds its threads to")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    runners = [r.strip() for r in args.runners.split(",") if r.strip()]
+    unknown = sorted(set(runners) - set(RUNNERS))
+    if unknown or ("vllm-serve" in runners) != args.vllm:
+        parser.error(f"--runners {args.runners!r}: choose from {', '.join(RUNNERS)}; vllm-serve goes with --vllm")
 
     torch.set_num_threads(args.threads)
     target = sg.load_target(args.target, threads=args.threads)
     records = load_records(args.prompts)[: args.prompts_count]
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        endpoint = None
+        if args.vllm:
+            from specgraft.tools.vllm_engine import VLLMServer
+
+            server = stack.enter_context(VLLMServer(args.target, ["--max-num-seqs", str(args.batch_size)],
+                                                    core=args.vllm_core, max_model_len=args.max_len))
+            endpoint = EndpointClient(server.url, target.tokenizer)
         for round_ in range(args.repeats):
-            for runner in RUNNERS:
-                result = {"round": round_, **run_once(target, records, runner, args, Path(tmp) / f"{runner}.jsonl")}
+            for runner in runners:
+                out = Path(tmp) / f"{runner}.jsonl"
+                result = {"round": round_, **run_once(target, records, runner, args, out, endpoint)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
     report = {"target": args.target, "machine": platform.processor() or platform.machine(), "args": vars(args) | {

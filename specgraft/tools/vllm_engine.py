@@ -61,7 +61,11 @@ def worker_env(core: int | None = None, kv_cache_gib: int = 2) -> dict[str, str]
     """The environment vLLM runs in: offline (no hub), its KV cache sized, its threads bound to ``core``."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+               VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               # vLLM 0.32 on CPU: an EAGLE engine that finds the target's compiled graph cached by a plain engine fails
+               # to load it ("'function' object has no attribute 'finalize_loading'") and its recompile then
+               # overflows the stack; each engine compiles afresh instead (about two minutes for SmolLM2).
+               VLLM_DISABLE_COMPILE_CACHE="1")
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         env["OMP_NUM_THREADS"] = "1"
@@ -231,6 +235,11 @@ class VLLMEngine:
         if eos_token_id not in (None, ()):
             raise ValueError("vLLM stops at the target's own EOS (None) or ignores it (()); other stop ids are not passed")
         return self.generate(prompts, max_new_tokens, ignore_eos=eos_token_id == ()).outputs()
+
+    def profile(self, start: bool) -> None:
+        """Start or stop vLLM's torch profiler (an engine built with ``profiler_config={"profiler": "torch",
+        "torch_profiler_dir": DIR}`` writes its op table there on stop)."""
+        self._ask({"op": "start_profile" if start else "stop_profile"})
 
     def reserve(self, rows: int, length: int) -> None:
         """Nothing to do: vLLM allocated its KV cache when it loaded."""

@@ -16,6 +16,8 @@ request, answered by one line:
   ``decode_s``, and ``spec``: the spec-decode counters this call added (vLLM's ``spec_decode_num_drafts``,
   ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``); with speculation and
   ``per_request_spec_decode_metrics`` on, each request's ``histograms`` (steps by accepted drafts: [j] accepted j).
+- ``{"op": "start_profile"}`` and ``{"op": "stop_profile"}``: ``LLM``'s torch profiler, for an engine configured
+  with ``profiler_config`` (it writes its traces and an op table there).
 
 Answers go to the stdout the worker was started with; vLLM's own logs (it logs
 to stdout) are moved to stderr first, so they never mix with answers. The
@@ -112,9 +114,14 @@ def main() -> int:
             continue
         try:
             request = json.loads(line)
-            if request.get("op") != "generate":
-                raise ValueError(f"unknown op {request.get('op')!r}; expected 'generate'")
-            answer(generate(llm, request))
+            op = request.get("op")
+            if op == "generate":
+                answer(generate(llm, request))
+            elif op in ("start_profile", "stop_profile"):  # with profiler_config in the engine's configuration
+                getattr(llm, op)()
+                answer({"ok": True})
+            else:
+                raise ValueError(f"unknown op {op!r}; expected 'generate', 'start_profile' or 'stop_profile'")
         except Exception as e:
             answer({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
     return 0
