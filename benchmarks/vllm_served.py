@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """`specgraft serve` against `vllm serve`, plain and speculative, in one interleaved `specgraft bench --server` run.
 
-Starts three servers on 127.0.0.1, all on the same target: specgraft's, with ``--head`` loaded as drafter ``head``
+Starts the servers on 127.0.0.1, all on the same target: specgraft's, with ``--head`` loaded as drafter ``head``
 and ``--tree`` (default adaptive) as its default tree, so requests switch speculation on and off; vLLM's plain; and
-vLLM's with the head exported to it as a chain of ``--vllm-chain`` tokens. Then every concurrency level runs each of
-the four modes in turn, ``--rounds`` times, on the same prompts (see `specgraft.tools.bench_server`), and the servers
-are stopped. specgraft runs on ``--threads`` (1: one core); vLLM binds to ``--vllm-core``.
+one vLLM server per ``--vllm-chain`` K with the head exported to it as a chain of K tokens. Then every concurrency
+level runs each mode in turn, ``--rounds`` times, on the same prompts (see `specgraft.tools.bench_server`), and the
+servers are stopped. specgraft runs on ``--threads`` (1: one core); vLLM binds to ``--vllm-core``.
 
     python benchmarks/vllm_served.py --target ~/.cache/specgraft/models/SmolLM2-135M-Instruct \\
-        --head runs/smollm2-135m-eagle3-half/head --vllm-chain 1 --prompts ../shared/data/mt_bench_question.jsonl \\
+        --head runs/smollm2-135m-eagle3-half/head --vllm-chain 1,3 --prompts ../shared/data/mt_bench_question.jsonl \\
         --limit 32 --max-new-tokens 64 --concurrency 1,4,16,64 --rounds 2 --out runs/vllm-served
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -48,7 +49,7 @@ def main() -> int:
     parser.add_argument("--target", required=True)
     parser.add_argument("--head", required=True, help="a trained specgraft head directory")
     parser.add_argument("--tree", default="adaptive", help="specgraft's default tree for the head")
-    parser.add_argument("--vllm-chain", type=int, default=1, help="vLLM's num_speculative_tokens")
+    parser.add_argument("--vllm-chain", default="1", help="vLLM's num_speculative_tokens: a server for each (comma list)")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--limit", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -57,6 +58,7 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=64, help="both engines' most sequences at once")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-core", type=int, default=0)
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="each vLLM server's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -66,7 +68,7 @@ def main() -> int:
     shutil.rmtree(exported, ignore_errors=True)
     kind, draft_dir = vllm_draft_dir(args.head, exported, target)
     del target  # the servers load their own copies
-    spec = json.dumps(speculative_config(kind, draft_dir, args.vllm_chain))
+    depths = [int(k) for k in args.vllm_chain.split(",")]
     vllm_args = ["--max-num-seqs", str(args.max_batch_size)]
 
     port = free_port()
@@ -80,11 +82,16 @@ def main() -> int:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, ours, ours_log)
-        with VLLMServer(args.target, vllm_args, core=args.vllm_core, log=args.out / "vllm-plain.log") as plain, \
-                VLLMServer(args.target, [*vllm_args, "--speculative-config", spec], core=args.vllm_core,
-                           log=args.out / "vllm-spec.log") as speculative:
+        with contextlib.ExitStack() as stack:
+            common = dict(core=args.vllm_core, kv_cache_gib=args.kv_cache_gib)
+            servers = [("plain", stack.enter_context(VLLMServer(args.target, vllm_args, log=args.out / "vllm-plain.log",
+                                                                 **common)))]
+            for k in depths:
+                spec = ["--speculative-config", json.dumps(speculative_config(kind, draft_dir, k))]
+                server = VLLMServer(args.target, [*vllm_args, *spec], log=args.out / f"vllm-chain{k}.log", **common)
+                servers.append((f"{kind}-chain{k}", stack.enter_context(server)))
             bench = [sys.executable, "-m", "specgraft.cli", "bench", "--server", url, "--drafter", "head",
-                     "--vllm-server", f"plain={plain.url}", "--vllm-server", f"{kind}-chain{args.vllm_chain}={speculative.url}",
+                     *[f"--vllm-server={label}={server.url}" for label, server in servers],
                      "--prompts", args.prompts, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
                      "--concurrency", args.concurrency, "--rounds", str(args.rounds), "--out", str(args.out)]
             return subprocess.run(bench).returncode
