@@ -87,8 +87,10 @@ def main() -> None:
         if args.vllm:
             from specgraft.tools.vllm_engine import VLLMServer
 
-            server = stack.enter_context(VLLMServer(args.target, ["--max-num-seqs", str(args.batch_size)],
-                                                    core=args.vllm_core, max_model_len=args.max_len))
+            # vLLM 0.32 on CPU stops its engine ("CPU Generator does not use offset") when a seeded sampled request's
+            # prefill is chunked; regeneration seeds every request, so prefills run whole.
+            flags = ["--max-num-seqs", str(args.batch_size), "--no-enable-chunked-prefill"]
+            server = stack.enter_context(VLLMServer(args.target, flags, core=args.vllm_core, max_model_len=args.max_len))
             endpoint = EndpointClient(server.url, target.tokenizer)
         for round_ in range(args.repeats):
             for runner in runners:

@@ -482,8 +482,8 @@ def _vllm_engines(args: argparse.Namespace, target: Target, longest: int, stack:
 
     if not args.vllm:
         return []
-    heads = [(spec_label(spec), Path(parse_drafter(spec).path)) for spec in args.drafter
-             if isinstance(parse_drafter(spec), DirectorySpec)]
+    parsed = [(spec, parse_drafter(spec)) for spec in args.drafter]
+    heads = [(spec_label(spec), Path(p.path)) for spec, p in parsed if isinstance(p, DirectorySpec)]
     common = dict(python=args.vllm_python, core=args.vllm_core, dtype=args.dtype,
                   max_model_len=longest + max(d or 0 for d in parse_vllm(args.vllm)) + 1)
     engines = []

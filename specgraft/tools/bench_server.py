@@ -60,7 +60,6 @@ class RequestTiming:
     """One streamed request: when it started, when each chunk with tokens arrived and how many it held."""
 
     start: float
-    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
@@ -100,18 +99,27 @@ class Mode:
     metrics_url: str | None = None  # a vLLM server's /metrics, read around each pass for its spec-decode counters
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, extra_body: dict[str, Any]) -> RequestTiming:
+@dataclass
+class Pooled:
+    """One mode's passes at a level, pooled over its rounds."""
+
+    timings: list[RequestTiming] = field(default_factory=list)
+    wall_s: float = 0.0
+    drafts: float = 0.0  # a vLLM server's verification steps in them (its counters' difference)
+    walls: list[float] = field(default_factory=list)  # each round's wall time, for the paired ratios
+
+
+async def one_request(mode: Mode, prompt: str, max_tokens: int) -> RequestTiming:
     timing = RequestTiming(start=time.perf_counter())
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={**extra_body, "return_token_ids": True},
+    stream = await mode.client.completions.create(
+        model=mode.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={**mode.extra_body, "return_token_ids": True},
     )
     async for chunk in stream:
         now = time.perf_counter()
         for choice in chunk.choices:
             ids = getattr(choice, "token_ids", None) or []
             tokens = len(ids)
-            timing.text += choice.text
             timing.token_ids += ids
             if tokens:
                 timing.chunk_times.append(now)
@@ -131,7 +139,7 @@ async def run_level(mode: Mode, prompts: Sequence[str], concurrency: int, max_to
 
     async def gated(prompt: str) -> RequestTiming:
         async with gate:
-            return await one_request(mode.client, mode.model, prompt, max_tokens, mode.extra_body)
+            return await one_request(mode, prompt, max_tokens)
 
     start = time.perf_counter()
     timings = await asyncio.gather(*(gated(p) for p in prompts))
@@ -150,15 +158,16 @@ async def _vllm_counters(mode: Mode) -> dict[str, float]:
         return spec_counters_from_prometheus((await http.get(mode.metrics_url)).text)
 
 
-def summarize(timings: Sequence[RequestTiming], wall_s: float, drafts: float | None = None) -> dict[str, Any]:
+def summarize(timings: Sequence[RequestTiming], wall_s: float, drafts: float = 0.0) -> dict[str, Any]:
     """A level's latency and throughput figures over ``timings`` (one or more rounds of it) and the wall time those
     rounds took (see the module docstring for each clock). ``drafts``: a vLLM server's verification steps in them
-    (from its counters; specgraft reports its target calls per request)."""
+    (from its counters; specgraft reports its target calls per request); a plain vLLM server has no steps to count,
+    and its tokens per call is None."""
     ttft = sorted(t.ttft for t in timings)
     itl = sorted(x for t in timings for x in t.itl()) or [0.0]
     tokens = sum(t.completion_tokens for t in timings)
     per_request = [t.completion_tokens / (t.end - t.start) for t in timings if t.end > t.start]
-    calls = sum((t.stats or {}).get("target_calls", 0) for t in timings) + (drafts or 0)
+    calls = sum((t.stats or {}).get("target_calls", 0) for t in timings) + drafts
     return {
         "requests": len(timings),
         "completion_tokens": tokens,
@@ -196,11 +205,10 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
         modes.append(Mode(f"vllm {label}", theirs, (await theirs.models.list()).data[0].id, {}, engine="vllm",
                           metrics_url=f"{server.rstrip('/')}/metrics"))
     for mode in modes:  # warm-up: one untimed request each
-        await one_request(mode.client, mode.model, prompts[0], max_tokens, mode.extra_body)
+        await one_request(mode, prompts[0], max_tokens)
     rows, mismatches, passes, against = [], [], 0, []
     for level in levels:
-        pooled: dict[str, list] = {m.label: [[], 0.0, 0.0] for m in modes}  # timings, wall, vLLM drafts
-        walls: dict[str, list[float]] = {m.label: [] for m in modes}  # a round each
+        pooled = {m.label: Pooled() for m in modes}
         for _ in range(rounds):
             outputs: dict[str, list[list[int]]] = {}  # token ids: engines detokenize a lone byte token differently
             shift = passes % len(modes)
@@ -209,11 +217,11 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
                 timings, wall = await run_level(mode, prompts, level, max_tokens)
                 drafts = (await _vllm_counters(mode)).get("drafts", 0.0) - before.get("drafts", 0.0)
                 outputs[mode.label] = [t.token_ids for t in timings]
-                walls[mode.label].append(wall)
                 cell = pooled[mode.label]
-                cell[0] += timings
-                cell[1] += wall
-                cell[2] += drafts
+                cell.timings += timings
+                cell.wall_s += wall
+                cell.drafts += drafts
+                cell.walls.append(wall)
                 if progress:
                     r = summarize(timings, wall)
                     print(f"concurrency {level:3d} {mode.label:>12s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
@@ -222,16 +230,11 @@ async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], 
             mismatches += [{"concurrency": level, "prompt": n, "mode": label}
                            for label, got in outputs.items() if label != "off"
                            for n, (a, b) in enumerate(zip(got, outputs["off"])) if a != b]
-        level_rows = []
-        for mode in modes:
-            timings, wall, drafts = pooled[mode.label]
-            row = {"concurrency": level, "speculative": mode.label, "engine": mode.engine, "rounds": rounds,
-                   **summarize(timings, wall, drafts if mode.metrics_url else None)}
-            if mode.metrics_url and not drafts:
-                row["tokens_per_target_call"] = None  # vLLM without speculation reports no steps
-            level_rows.append(row)
-        on = level_rows[1]
-        on.update(quartiles([off / w for off, w in zip(walls["off"], walls["on"]) if w > 0], "paired_vs_off"))
+        level_rows = [{"concurrency": level, "speculative": m.label, "engine": m.engine, "rounds": rounds,
+                       **summarize(pooled[m.label].timings, pooled[m.label].wall_s, pooled[m.label].drafts)}
+                      for m in modes]
+        walls = {label: cell.walls for label, cell in pooled.items()}
+        level_rows[1].update(quartiles([off / w for off, w in zip(walls["off"], walls["on"]) if w > 0], "paired_vs_off"))
         for ours_row in level_rows[:2]:
             for theirs_row in level_rows[2:]:
                 pairs = zip(walls[theirs_row["speculative"]], walls[ours_row["speculative"]])
