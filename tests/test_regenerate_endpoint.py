@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import copy
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-import yaml
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from regen_helpers import records, regenerate_killed_then_resumed
 from serve_helpers import ServerThread
 
 from specgraft.infer.server import create_app
@@ -35,13 +29,6 @@ CHATS = [
         {"role": "user", "content": "What happened next?"},
     ]},
 ]
-
-
-def records(path) -> dict[str, dict]:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    by_id = {r["id"]: r for r in lines}
-    assert len(by_id) == len(lines), "a record was written twice"
-    return by_id
 
 
 @pytest.fixture(scope="module")
@@ -138,36 +125,9 @@ def test_a_server_answering_503_is_retried_then_succeeds(stories, tmp_path):
 def test_a_run_killed_mid_way_resumes_to_the_same_records(stories, served, tmp_path):
     """`specgraft regenerate` against the server, killed with SIGKILL after its first records, then run again:
     the same records as one uninterrupted in-process run, none twice."""
-    prompts = tmp_path / "prompts.jsonl"
     openings = [f"{opening} {name}" for opening in TEXT for name in ("Tom", "Lily", "Sam", "Mia", "Ben")]
-    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in openings))
-    out = tmp_path / "out.jsonl"
-    config = tmp_path / "regen.yaml"
-    config.write_text(yaml.safe_dump({
-        "target": {"path": stories.name},
-        "head": {"type": "medusa"},
-        "data": {"regenerate": {
-            "output": str(out), "prompts": str(prompts), "max_new_tokens": 48, "temperature": 0,
-            "endpoint": served.url, "concurrency": 2, "dedupe": False,
-        }},
-        "training": {"output_dir": str(tmp_path / "run"), "num_threads": 1},
-    }))
-    command = [sys.executable, "-m", "specgraft.cli", "regenerate", str(config)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if out.exists() and out.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.05)
-    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()[-2000:]}"
-    process.send_signal(signal.SIGKILL)
-    process.wait(30)
-    interrupted = out.read_text().count("\n")
-    assert 3 <= interrupted < len(openings)
-
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    out = regenerate_killed_then_resumed(tmp_path, stories.name, "medusa", openings, served.url, 48,
+                                         start_timeout_s=120, resume_timeout_s=300)
     reference = tmp_path / "reference.jsonl"
     regenerate(stories, openings, reference, max_new_tokens=48, temperature=0, dedupe=False, progress=False)
     assert records(out) == records(reference)

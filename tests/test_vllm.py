@@ -29,6 +29,7 @@ import specgraft as sg
 from specgraft.heads import build_head, export_head, save_head
 from specgraft.heads.configs import DFlashConfig, DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
 from specgraft.tools.vllm_engine import DEFAULT_PYTHON, VLLM_PYTHON_ENV, VLLMEngine, accepted_per_position, speculative_config
+from regen_helpers import records
 from toy_train import fit, greedy_examples
 
 pytestmark = pytest.mark.vllm
@@ -288,15 +289,6 @@ def gsm8k_train(count: int) -> list[dict]:
     return [{"id": r["id"], "messages": r["messages"][:1]} for r in load_records(SHARED / "data" / "gsm8k_train.jsonl")[:count]]
 
 
-def lines(path) -> dict[str, dict]:
-    import json
-
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    by_id = {r["id"]: r for r in records}
-    assert len(by_id) == len(records), "a record was written twice"
-    return by_id
-
-
 def test_greedy_regeneration_through_vllm_serve_equals_in_process(smollm2, smollm2_server, tmp_path):
     from specgraft.train.endpoint import EndpointClient
     from specgraft.train.regeneration import regenerate
@@ -308,53 +300,19 @@ def test_greedy_regeneration_through_vllm_serve_equals_in_process(smollm2, smoll
                         progress=False, endpoint=EndpointClient(smollm2_server.url, smollm2.tokenizer, max_retries=0),
                         concurrency=4)
     assert remote.written == local.written == len(inputs)
-    assert lines(tmp_path / "vllm.jsonl") == lines(tmp_path / "local.jsonl")
+    assert records(tmp_path / "vllm.jsonl") == records(tmp_path / "local.jsonl")
 
 
 def test_regeneration_through_vllm_serve_resumes_after_sigkill(smollm2, smollm2_server, tmp_path):
     """`specgraft regenerate` against vLLM, killed with SIGKILL after its first records, then run again: the records of
     one uninterrupted in-process run, none lost and none twice."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import yaml
-
     from conftest import SMOLLM2
+    from regen_helpers import regenerate_killed_then_resumed
     from specgraft.train.regeneration import regenerate
 
     inputs = gsm8k_train(12)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in inputs))
-    out = tmp_path / "out.jsonl"
-    config = tmp_path / "regen.yaml"
-    config.write_text(yaml.safe_dump({
-        "target": {"path": str(SMOLLM2)},
-        "head": {"type": "eagle3"},
-        "data": {"regenerate": {
-            "output": str(out), "prompts": str(prompts), "max_new_tokens": REGEN_NEW_TOKENS, "temperature": 0,
-            "endpoint": smollm2_server.url, "concurrency": 2, "dedupe": False,
-        }},
-        "training": {"output_dir": str(tmp_path / "run"), "num_threads": 1},
-    }))
-    command = [sys.executable, "-m", "specgraft.cli", "regenerate", str(config)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        if out.exists() and out.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.05)
-    assert process.poll() is None, f"the run ended before it could be killed: {process.stderr.read().decode()[-2000:]}"
-    process.send_signal(signal.SIGKILL)
-    process.wait(30)
-    interrupted = out.read_text().count("\n")
-    assert 3 <= interrupted < len(inputs)
-
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    out = regenerate_killed_then_resumed(tmp_path, str(SMOLLM2), "eagle3", inputs, smollm2_server.url,
+                                         REGEN_NEW_TOKENS, start_timeout_s=300, resume_timeout_s=600)
     reference = tmp_path / "reference.jsonl"
     regenerate(smollm2, inputs, reference, max_new_tokens=REGEN_NEW_TOKENS, temperature=0, dedupe=False, progress=False)
-    assert lines(out) == lines(reference)
+    assert records(out) == records(reference)
