@@ -57,6 +57,7 @@ class Request:
     draft_row: int | None = None  # its row of its drafter's draft pool, if the drafter keeps one
     draft: DraftState | None = None
     root: int | None = None
+    root_tensor: torch.Tensor | None = None  # ``root`` as the (1,) device tensor it was chosen in, where it was one
     drafted: bool = False  # this step's tree is its drafter's proposal (not the root alone)
     draft_kv: int = 0  # its draft state's `cache_tokens` as it last moved (it moves only as the state drafts or is given)
     # Tokens given to its draft state since it last proposed (the prompt, then commits): what a drafter with a

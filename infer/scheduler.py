@@ -46,9 +46,9 @@ from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
-from specgraft.infer.verify import AcceptRule, accept, sample_accept
+from specgraft.infer.verify import Acceptance, AcceptRule, root_path, accept, sample_accept
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
-from specgraft.tree import Adaptive, Chain, Tree, TreePolicy, tree_attention_mask, tree_position_ids
+from specgraft.tree import Adaptive, Chain, Sampling, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
 T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
@@ -374,11 +374,14 @@ class Scheduler:
                 drafted = [r for r in drafted if trees[r.handle].num_nodes > 1]
         prefixes = {r.handle: len(r.cache) for r in live}
         verified = self._verify(live, trees, prefixes, events)
+        chosen = self._choose_after_roots([r for r in live if r.handle in verified and trees[r.handle].num_nodes == 1],
+                                          verified)
         for request in live:
             if request.handle in verified:
                 logits, hidden, start = verified[request.handle]
                 tree, prefix = trees[request.handle], prefixes[request.handle]
-                self._isolated(request, events, lambda: self._commit(request, tree, prefix, logits, hidden, start, events))
+                self._isolated(request, events, lambda: self._commit(
+                    request, tree, prefix, logits, hidden, start, events, chosen.get(request.handle)))
         if self._held_bytes >= HELD_BYTES or self._held_rows >= HELD_ROWS:  # every row gives what it kept: let go
             self._give_held(events)
         if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
@@ -424,7 +427,8 @@ class Scheduler:
             max_depth = min(planned.get(request.handle, left), left)  # never more than is left
             request.drafted = request.draft is not None and max_depth >= 1
             if not request.drafted:
-                trees[request.handle] = Tree.root_only(request.root, self.target.device)
+                root = request.root if request.root_tensor is None else request.root_tensor
+                trees[request.handle] = Tree.root_only(root, self.target.device)
                 continue
             # Giving a row's state the roots it kept is its drafter's catching up (see `_observe_draft`): a prompt
             # lookup row that gave a hundred roots in its step's overhead priced its drafted steps out of drafting
@@ -548,16 +552,42 @@ class Scheduler:
         logits, starts = out.logits.split(sizes), itertools.accumulate(sizes, initial=0)
         return {request.handle: (logits[k], out.hidden, start) for (k, request), start in zip(enumerate(live), starts)}
 
+    def _choose_after_roots(
+        self, rows: list[Request], verified: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]]
+    ) -> dict[int, Acceptance]:
+        """The next token of every row that verified its root alone (plain decoding), chosen for all of them at
+        once and read back in one copy; each row keeps its token as a view too, its next root-only tree's (see
+        `Tree.root_only`). Greedy rows without banned ids share one argmax; the others choose on their own (their own
+        filters and RNG), on the device. If choosing fails, every row chooses again in its own commit, isolated."""
+        if not rows:
+            return {}
+        try:
+            logits = [verified[r.handle][0][0] for r in rows]  # (V,) each: a root's logits
+            plain = [r.sampling.greedy and not r.sampling.banned_token_ids for r in rows]
+            argmax = torch.stack(logits).argmax(-1) if any(plain) else None  # (R,)
+            picks = [argmax[k : k + 1] if plain[k] else _choose_one(r.sampling, logits[k]) for k, r in enumerate(rows)]
+            tokens = argmax if all(plain) else torch.cat(picks)  # (R,)
+            values = tokens.tolist()  # the step's one read of the rows' choices
+        except Exception:  # whose fault is unknown: each row chooses in its own commit
+            return {}
+        for request, pick in zip(rows, picks):
+            request.root_tensor = pick
+        path = root_path(tokens.device)
+        return {r.handle: Acceptance(path=path, next_token=value) for r, value in zip(rows, values)}
+
     def _commit(
         self, request: Request, tree: Tree, prefix: int, logits: torch.Tensor,
-        hidden: dict[int, torch.Tensor], start: int, events: list[Event],
+        hidden: dict[int, torch.Tensor], start: int, events: list[Event], accepted: Acceptance | None = None,
     ) -> None:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens.
-        ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`)."""
+        ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`). ``accepted``: the path
+        where it was chosen already (a root's, see `_choose_after_roots`)."""
         if request.drafted:
             request.draft_kv = request.draft.cache_tokens()
         kv_peak = prefix + tree.num_nodes + request.draft_kv
-        accepted = accept(tree, logits, request.sampling, request.acceptance)
+        if accepted is None:
+            accepted = accept(tree, logits, request.sampling, request.acceptance)
+            request.root_tensor = None
         count = accepted.path.numel()
         if tree.is_chain:  # the accepted path is its first nodes, in their slots already: a crop, no gather
             request.cache.crop(prefix + count)
@@ -585,7 +615,7 @@ class Scheduler:
         request.root = accepted.next_token
         if self.controller is not None and tree.num_nodes > 1:
             self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)
-        committed = tokens[1:].tolist() + [accepted.next_token]
+        committed = (tokens[1:].tolist() if count > 1 else []) + [accepted.next_token]
         self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
@@ -697,6 +727,13 @@ class Scheduler:
         if request.draft_row is not None:
             self.draft_pools[request.drafter_name].release(request.draft_row)
             request.draft_row = None
+
+
+def _choose_one(sampling: Sampling, logits: torch.Tensor) -> torch.Tensor:
+    """(1,) a row's next token after its root's (V,) logits, under its own filters and RNG, left on the device."""
+    if sampling.greedy:
+        return sampling.ban(logits).argmax(-1, keepdim=True)
+    return sampling.draw(sampling.probs(logits))
 
 
 def _row_states(hidden: dict[int, torch.Tensor], layers: tuple[int, ...], start: int, n: int) -> dict[int, torch.Tensor]:

@@ -39,7 +39,7 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
         logits: (N, V) target logits at each node.
     """
     if tree.num_nodes == 1:  # plain decoding: nothing to compare; the target's choice is the next token
-        return Acceptance(path=_root_path(logits.device), next_token=int(logits[0].argmax()))
+        return Acceptance(path=root_path(logits.device), next_token=int(logits[0].argmax()))
     choice = logits.argmax(dim=-1)  # (N,) target's token after each node
     if tree.is_chain:  # plain decoding and chains: the first mismatch ends the path, no mask needed
         agree = (tree.tokens[1:] == choice[:-1]).tolist()
@@ -54,7 +54,7 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
 
 
 @functools.cache
-def _root_path(device: torch.device) -> torch.Tensor:
+def root_path(device: torch.device) -> torch.Tensor:
     """(1,) the path of a root alone, shared read-only (every plain row, every step)."""
     return torch.zeros(1, dtype=torch.long, device=device)
 

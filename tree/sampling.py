@@ -15,6 +15,7 @@ import it from here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,7 @@ class Sampling:
         """(..., V) logits with banned ids at -inf: greedy decoding's argmax goes through this too."""
         if not self.banned_token_ids:
             return logits
-        return logits.index_fill(-1, torch.tensor(self.banned_token_ids, device=logits.device), -torch.inf)
+        return logits.index_fill(-1, _banned_index(self.banned_token_ids, logits.device), -torch.inf)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits or log-probs -> (..., V) normalised probabilities after every filter."""
@@ -97,3 +98,10 @@ class Sampling:
     def draw_one(self, probs: torch.Tensor) -> int:
         """One token from a (V,) distribution."""
         return int(self.draw(probs)[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _banned_index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Banned ids as an index tensor on ``device``, made once per set and device (every step bans them, and a
+    tensor built from a tuple is a copy to the device each time)."""
+    return torch.tensor(ids, dtype=torch.long, device=device)

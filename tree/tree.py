@@ -67,9 +67,18 @@ class Tree:
             raise ValueError("only node 0 may be a root")
 
     @classmethod
-    def root_only(cls, token: int, device: torch.device | str = "cpu") -> Tree:
+    def root_only(cls, token: int | torch.Tensor, device: torch.device | str = "cpu") -> Tree:
         """The tree of plain decoding: the root and nothing to verify. Every plain row asks for one every step, so
-        each is made once per token and device and shared, read-only (5-7 us a row a step before, here)."""
+        each is made once per token and device and shared, read-only (5-7 us a row a step before, here).
+
+        ``token`` may be a (1,) tensor already on the device (the engine's last choice for the row): the tree then
+        holds it as it is, and nothing is copied to the device.
+        """
+        if isinstance(token, torch.Tensor):
+            parents, depth, scores, ancestors = _root_structure(token.device)
+            tree = cls(token, parents, depth, scores, ancestors=ancestors)
+            tree.__dict__.update(parent_list=[ROOT_PARENT], depth_list=[0])  # its structure's lists, as `_root_only`'s
+            return tree
         return _root_only(int(token), torch.device(device))
 
     def to(self, device: torch.device | str) -> Tree:

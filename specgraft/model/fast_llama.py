@@ -138,25 +138,20 @@ class PackedAttention:
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + size)
-        self.rows = torch.tensor([seg.row for seg in segments for _ in range(seg.size)], device=device)  # (N,)
-        self.slots = torch.tensor([slot for start, n in zip(starts, sizes) for slot in range(start, start + n)], device=device)
+        rows = [seg.row for seg in segments]
+        token_rows = [row for row, n in zip(rows, sizes) for _ in range(n)]  # (N,) each token's pool row and slot
+        token_slots = [slot for start, n in zip(starts, sizes) for slot in range(start, start + n)]
         dtype = pool.kv.dtype
         everyone = list(range(len(segments)))
         alone_work = sum(n * (start + n) for n, start in zip(sizes, starts))
-        rows = [seg.row for seg in segments]
         padded_work = (max(rows) - min(rows) + 1) * max(sizes) * max(s + n for s, n in zip(starts, sizes))
         if len(segments) > 1 and padded_work <= PADDED_WORK_RATIO * alone_work:
             group = everyone
         else:
             group = [i for i in everyone if sizes[i] == 1]
             group = group if len(group) > 1 else []
-        self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
-        for i in everyone:
-            if i not in group:
-                seg, start = segments[i], starts[i]
-                mask = None if seg.size == 1 else additive(_visible(seg, start, seg.size, start + seg.size, device), dtype)
-                self.alone.append((offsets[i], seg.size, seg.row, start + seg.size, mask))
-        self.group = None
+        # Every index list the layers need is built on the host first, then staged in one copy (`_staged`).
+        seen, trees, grid, columns, in_place = [], [], [], [], True
         if group:
             lo, hi = min(rows[i] for i in group), max(rows[i] for i in group) + 1
             width, widest = max(starts[i] + sizes[i] for i in group), max(sizes[i] for i in group)
@@ -165,28 +160,37 @@ class PackedAttention:
             seen = [1] * (hi - lo)
             for i in group:
                 seen[rows[i] - lo] = starts[i] + (sizes[i] == 1)
-            # Room for every tree's block at its own slots, cut back to `width` below.
-            room = max(starts[i] for i in group) + widest
-            visible = torch.arange(room, device=device) < torch.tensor(seen, device=device)[:, None, None]  # (G, 1, room)
-            visible = visible.expand(hi - lo, widest, room).clone()
-            grid, columns = [], []  # where each member's token sits in the (G * T) query grid, and in the packed N
-            for i in group:
+            for i in group:  # where each member's token sits in the (G * T) query grid, and in the packed N
                 r, n = rows[i] - lo, sizes[i]
                 grid += range(r * widest, r * widest + n)
                 columns += range(offsets[i], offsets[i] + n)
             trees = [i for i in group if sizes[i] > 1]
+            # The packed order already is the padded one (every token in the group, each row of the span in turn,
+            # all of one size): no moves.
+            in_place = len(group) == len(everyone) and grid == columns == list(range((hi - lo) * widest))
+        staged = _staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], [rows[i] - lo for i in trees],
+                         [] if in_place else grid, [] if in_place else columns)
+        self.rows, self.slots, seen_at, tree_starts, tree_rows, grid_at, columns_at = staged
+        self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
+        for i in everyone:
+            if i not in group:
+                seg, start = segments[i], starts[i]
+                mask = None if seg.size == 1 else additive(_visible(seg, start, seg.size, start + seg.size, device), dtype)
+                self.alone.append((offsets[i], seg.size, seg.row, start + seg.size, mask))
+        self.group = None
+        if group:
+            # Room for every tree's block at its own slots, cut back to `width` below.
+            room = max(starts[i] for i in group) + widest
+            visible = torch.arange(room, device=device) < seen_at[:, None, None]  # (G, 1, room)
+            visible = visible.expand(hi - lo, widest, room).clone()
             if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
                 block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
                 for m, i in enumerate(trees):
                     block[m, : sizes[i], : sizes[i]] = _tree(segments[i], device)
-                at = torch.tensor([starts[i] for i in trees], device=device)[:, None, None] + torch.arange(widest, device=device)
-                local = torch.tensor([rows[i] - lo for i in trees], device=device)
-                visible[local] = visible[local].scatter(2, at.expand(-1, widest, -1), block)
-            # The packed order already is the padded one (every token in the group, each row of the span in turn,
-            # all of one size): no moves.
-            in_place = not self.alone and grid == columns == list(range((hi - lo) * widest))
+                at = tree_starts[:, None, None] + torch.arange(widest, device=device)
+                visible[tree_rows] = visible[tree_rows].scatter(2, at.expand(-1, widest, -1), block)
             self.group = (lo, hi, widest, width, additive(visible[:, None, :, :width], dtype),
-                          *((None, None) if in_place else (torch.tensor(grid, device=device), torch.tensor(columns, device=device))))
+                          *((None, None) if in_place else (grid_at, columns_at)))
 
     def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write layer ``layer``'s packed keys/values (1, Hkv, N, D) and attend with (1, Hq, N, D) queries -> (1, N, Hq * D)."""
@@ -210,6 +214,17 @@ class PackedAttention:
             result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
             out[0, :, columns] = result.transpose(0, 1).reshape(heads, -1, dim)[:, grid]
         return out.transpose(1, 2).reshape(1, n, heads * dim)
+
+
+def _staged(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """Host-built int lists as (len,) int64 tensors on ``device``, in one copy: from pinned memory without blocking
+    on a GPU (a tensor built from a list apiece would block once per list)."""
+    flat = [x for values in lists for x in values]
+    if device.type == "cuda":
+        staged = torch.tensor(flat, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    else:
+        staged = torch.tensor(flat, dtype=torch.long, device=device)
+    return list(staged.split([len(values) for values in lists]))
 
 
 def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
