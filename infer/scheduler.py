@@ -46,7 +46,7 @@ from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
-from specgraft.infer.verify import Acceptance, AcceptRule, root_path, accept, sample_accept
+from specgraft.infer.verify import Acceptance, AcceptRule, accept, greedy_accept_packed, root_path, sample_accept
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import Adaptive, Chain, Sampling, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
@@ -103,6 +103,18 @@ class EngineCounters:
             self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+
+@dataclass
+class Chosen:
+    """A row's acceptance decided with the others' (see `Scheduler._choose_together`): the path (a device view),
+    as host ints too, the tokens it commits (the path's drafts, then the next token) and that token as a (1,)
+    device view."""
+
+    accepted: Acceptance
+    path: list[int]
+    committed: list[int]
+    next_tensor: torch.Tensor
 
 
 class Scheduler:
@@ -188,6 +200,8 @@ class Scheduler:
         self._joined_forwards = self._joined_rows = 0
         self._holding = 0  # rows that kept roots not given yet: none, and the held forwards are let go
         self._next_handle = 0
+        # The last packed forward's (logits (N, V), tokens (N,), its rows' handles in order); None: row by row
+        self._packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
     # ------------------------------------------------------------------ the pool
 
@@ -374,8 +388,7 @@ class Scheduler:
                 drafted = [r for r in drafted if trees[r.handle].num_nodes > 1]
         prefixes = {r.handle: len(r.cache) for r in live}
         verified = self._verify(live, trees, prefixes, events)
-        chosen = self._choose_after_roots([r for r in live if r.handle in verified and trees[r.handle].num_nodes == 1],
-                                          verified)
+        chosen = self._choose_together([r for r in live if r.handle in verified], trees, verified)
         for request in live:
             if request.handle in verified:
                 logits, hidden, start = verified[request.handle]
@@ -513,6 +526,7 @@ class Scheduler:
         One forward over all rows, packed; a single row runs on its own cache row (the same maths without
         the packing); Hugging Face's forward runs each row on its own cache.
         """
+        self._packed = None
         if self.pool is None or len(live) == 1:
             verified = {}
             for request in live:
@@ -542,7 +556,9 @@ class Scheduler:
         layers = tuple(sorted({i for r in live for i in r.hidden_layers}))
         self.counters.verify_forwards += 1
         start = time.perf_counter()
-        out = self.target.forward_packed(torch.cat(tokens), self.pool, segments, torch.cat(positions), layers)
+        packed = torch.cat(tokens)
+        out = self.target.forward_packed(packed, self.pool, segments, torch.cat(positions), layers)
+        self._packed = (out.logits, packed, [r.handle for r in live])
         self._forward_seconds = time.perf_counter() - start
         self._forward_tokens = sum(s.size for s in segments)
         self._forward_masked = self._forward_tokens > len(segments)
@@ -552,48 +568,86 @@ class Scheduler:
         logits, starts = out.logits.split(sizes), itertools.accumulate(sizes, initial=0)
         return {request.handle: (logits[k], out.hidden, start) for (k, request), start in zip(enumerate(live), starts)}
 
-    def _choose_after_roots(
-        self, rows: list[Request], verified: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]]
-    ) -> dict[int, Acceptance]:
-        """The next token of every row that verified its root alone (plain decoding), chosen for all of them at
-        once and read back in one copy; each row keeps its token as a view too, its next root-only tree's (see
-        `Tree.root_only`). Greedy rows without banned ids share one argmax; the others choose on their own (their own
-        filters and RNG), on the device. If choosing fails, every row chooses again in its own commit, isolated."""
-        if not rows:
+    def _choose_together(
+        self, rows: list[Request], trees: dict[int, Tree],
+        verified: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]],
+    ) -> dict[int, Chosen]:
+        """The accepted paths of every row that can be decided on the device together, read back in one copy: greedy
+        rows without banned ids (`greedy_accept_packed`, every tree shape), and sampled rows verifying their root
+        alone (plain decoding: their next token drawn under their own filters and RNG). Each row's next token stays
+        on the device too, for its next root-only tree (see `Tree.root_only`). The other rows accept in their own
+        commits; so do all, if this fails."""
+        greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
+        roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r not in greedy]
+        if not greedy and not roots:
             return {}
         try:
-            logits = [verified[r.handle][0][0] for r in rows]  # (V,) each: a root's logits
-            plain = [r.sampling.greedy and not r.sampling.banned_token_ids for r in rows]
-            argmax = torch.stack(logits).argmax(-1) if any(plain) else None  # (R,)
-            picks = [argmax[k : k + 1] if plain[k] else _choose_one(r.sampling, logits[k]) for k, r in enumerate(rows)]
-            tokens = argmax if all(plain) else torch.cat(picks)  # (R,)
-            values = tokens.tolist()  # the step's one read of the rows' choices
-        except Exception:  # whose fault is unknown: each row chooses in its own commit
+            parts, layout = [], []  # device results, and (rows, width) of each greedy part
+            if greedy:
+                packed = self._packed
+                if packed is not None and len(greedy) > 1:  # the whole packed forward at once (its other rows unread)
+                    logits, tokens, order = packed
+                    group = [trees[h] for h in order]
+                    handles = order
+                else:  # row by row (one row's forward, or Hugging Face's forward per row)
+                    logits = tokens = None
+                    group, handles = None, [r.handle for r in greedy]
+                if group is not None:
+                    width = max(t.num_nodes for t in group)
+                    parts.append(greedy_accept_packed(tokens, torch.cat([t.parents for t in group]),
+                                                      torch.cat([t.depth for t in group]), logits.argmax(-1),
+                                                      len(group), width))
+                    layout.append((handles, width))
+                else:
+                    for handle in handles:
+                        tree = trees[handle]
+                        parts.append(greedy_accept_packed(tree.tokens, tree.parents, tree.depth,
+                                                          verified[handle][0].argmax(-1), 1, tree.num_nodes))
+                        layout.append(([handle], tree.num_nodes))
+            picks = [_choose_one(r.sampling, verified[r.handle][0][0]) for r in roots]
+            flat = torch.cat([p.flatten() for p in parts] + picks)
+            values = flat.tolist()  # the step's one read of the rows' choices
+        except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
-        for request, pick in zip(rows, picks):
-            request.root_tensor = pick
-        path = root_path(tokens.device)
-        return {r.handle: Acceptance(path=path, next_token=value) for r, value in zip(rows, values)}
+        chosen, at, offset = {}, 0, 0
+        wanted = {r.handle for r in greedy}
+        for part, (handles, width) in zip(parts, layout):
+            result = part.view(len(handles), 2 + 2 * width)
+            for k, handle in enumerate(handles):
+                if handle in wanted:
+                    row = values[at + k * (2 + 2 * width): at + (k + 1) * (2 + 2 * width)]
+                    count, next_token = row[0], row[1]
+                    path = row[2: 2 + count]
+                    chosen[handle] = Chosen(Acceptance(result[k, 2: 2 + count], next_token), path,
+                                            row[3 + width: 2 + width + count] + [next_token], result[k, 1:2])
+            at += part.numel()
+        for request, pick in zip(roots, picks):
+            chosen[request.handle] = Chosen(Acceptance(root_path(pick.device), values[at]), [0], [values[at]], pick)
+            at += 1
+        return chosen
 
     def _commit(
         self, request: Request, tree: Tree, prefix: int, logits: torch.Tensor,
-        hidden: dict[int, torch.Tensor], start: int, events: list[Event], accepted: Acceptance | None = None,
+        hidden: dict[int, torch.Tensor], start: int, events: list[Event], chosen: Chosen | None = None,
     ) -> None:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens.
-        ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`). ``accepted``: the path
-        where it was chosen already (a root's, see `_choose_after_roots`)."""
+        ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`). ``chosen``: the path
+        where it was decided already (see `_choose_together`)."""
         if request.drafted:
             request.draft_kv = request.draft.cache_tokens()
         kv_peak = prefix + tree.num_nodes + request.draft_kv
-        if accepted is None:
+        if chosen is None:
             accepted = accept(tree, logits, request.sampling, request.acceptance)
             request.root_tensor = None
+            listed = None
+        else:
+            accepted, listed, request.root_tensor = chosen.accepted, chosen.path, chosen.next_tensor
         count = accepted.path.numel()
         if tree.is_chain:  # the accepted path is its first nodes, in their slots already: a crop, no gather
             request.cache.crop(prefix + count)
             path = slice(0, count)
         else:
-            request.cache.keep(prefix, accepted.path)  # rows of the accepted nodes, root first
+            request.cache.keep(prefix, accepted.path, listed)  # rows of the accepted nodes, root first
             path = accepted.path
         whole = tree.is_chain and count == tree.num_nodes  # every node (a root alone): no views to take
         tokens = tree.tokens if whole else tree.tokens[path]
@@ -615,7 +669,7 @@ class Scheduler:
         request.root = accepted.next_token
         if self.controller is not None and tree.num_nodes > 1:
             self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)
-        committed = (tokens[1:].tolist() if count > 1 else []) + [accepted.next_token]
+        committed = chosen.committed if chosen is not None else tokens[1:].tolist() + [accepted.next_token]
         self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)

@@ -53,6 +53,57 @@ def greedy_accept(tree: Tree, logits: torch.Tensor) -> Acceptance:
     return Acceptance(path=tree.ancestor_mask()[best].nonzero().flatten(), next_token=int(choice[best]))
 
 
+def greedy_accept_packed(
+    tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, choice: torch.Tensor, rows: int, width: int
+) -> torch.Tensor:
+    """`greedy_accept` for every tree of a packed forward at once, on the device: one result to read back.
+
+    The trees lie one after another (each root first, ``parents`` local to its tree), node j's target choice
+    ``choice[j]``. A node survives when its token equals the choice at its parent and its parent survives; each
+    tree's deepest survivor (the first in storage order among equals) ends its path. Survival is carried down by
+    pointer jumping (log2 of the depth in passes), so the launches do not grow with the rows.
+
+    Args:
+        tokens, parents, depth, choice: (N,) the packed trees' tokens, local parents, depths and target argmaxes.
+        rows: the number of trees. width: at least the deepest tree's depth + 1.
+
+    Returns:
+        (rows, 2 + 2 * width) int64: per tree its accepted path's length K (root included), the next token, then
+        the path's K local node indices root first and its K tokens, each padded to ``width`` (padding repeats
+        the last node and token).
+    """
+    if width == 1:  # roots alone (plain decoding): each row's choice is its next token
+        return torch.stack([torch.ones_like(tokens), choice, torch.zeros_like(tokens), tokens], dim=1)
+    n = tokens.shape[0]
+    index = torch.arange(n, device=tokens.device)
+    is_root = parents < 0
+    if rows == 1:
+        tree, start = torch.zeros_like(index), torch.zeros(1, dtype=torch.long, device=tokens.device)
+        up = torch.where(is_root, index, parents)
+    else:
+        tree = is_root.long().cumsum(0) - 1  # (N,) each node's tree
+        start = torch.zeros(rows, dtype=torch.long, device=tokens.device).scatter_reduce(
+            0, tree, index, "amin", include_self=False)
+        up = torch.where(is_root, index, parents + start[tree])  # (N,) global parent; a root points at itself
+    alive = is_root | (tokens == choice[up])
+    hops = up
+    for _ in range(max(width - 1, 1).bit_length()):  # after k passes each node has checked 2^k ancestors
+        alive = alive & alive[hops]
+        hops = hops[hops]
+    # Deepest survivor, the first in storage order among equals: the largest depth * N + (N - 1 - j).
+    key = torch.where(alive, depth * n + (n - 1 - index), -1)
+    best_key = torch.full((rows,), -1, dtype=torch.long, device=tokens.device).scatter_reduce(0, tree, key, "amax")
+    best = n - 1 - best_key % n  # (R,) global index of each tree's deepest survivor
+    kept = best_key // n  # its depth: the path holds kept + 1 nodes
+    walk = [best]  # best, its parent, ... up to the root (which then repeats)
+    for _ in range(width - 1):
+        walk.append(up[walk[-1]])
+    walk = torch.stack(walk, 1)  # (R, width)
+    back = (kept[:, None] - torch.arange(width, device=tokens.device)).clamp(min=0)  # root first, then padding
+    path = walk.gather(1, back)  # (R, width) global nodes, root first
+    return torch.cat([(kept + 1)[:, None], choice[best][:, None], path - start[:, None], tokens[path]], dim=1)
+
+
 @functools.cache
 def root_path(device: torch.device) -> torch.Tensor:
     """(1,) the path of a root alone, shared read-only (every plain row, every step)."""

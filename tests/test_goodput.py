@@ -802,9 +802,9 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
         commits = []
         original = sched._commit
 
-        def commit(request, tree, prefix, logits, hidden, part, events):
+        def commit(request, tree, prefix, logits, hidden, part, events, *chosen):
             before = len(request.token_ids)
-            original(request, tree, prefix, logits, hidden, part, events)
+            original(request, tree, prefix, logits, hidden, part, events, *chosen)
             commits.append((steps[0], len(request.token_ids) - before))
 
         sched._commit = commit
@@ -836,9 +836,9 @@ def test_steps_that_verify_no_tree_are_timed_one_in_a_few_and_every_other_step_i
     sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=1)
     trees, original = {}, sched._commit
 
-    def commit(request, tree, prefix, logits, hidden, part, events):
+    def commit(request, tree, prefix, logits, hidden, part, events, *chosen):
         trees[sched.counters.steps] = tree.num_nodes > 1
-        original(request, tree, prefix, logits, hidden, part, events)
+        original(request, tree, prefix, logits, hidden, part, events, *chosen)
 
     sched._commit = commit
     handle = sched.submit(stories.encode("the cat sat on the mat and the cat"), 40, drafter="guesses", tree=sg.Adaptive(),

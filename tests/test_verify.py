@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.infer.verify import greedy_accept
+from specgraft.infer.verify import greedy_accept, greedy_accept_packed
 from specgraft.tree import ROOT_PARENT, Tree
 
 VOCAB = 10
@@ -34,6 +34,35 @@ def target_logits(argmax: list[int], vocab: int = VOCAB) -> torch.Tensor:
 
 
 # --- greedy_accept --------------------------------------------------------------------------
+
+
+@st.composite
+def random_tree_and_choices(draw, max_nodes: int = 12):
+    """A random parents-first tree over a 3-token vocabulary (so paths often match) and the target's choices."""
+    n = draw(st.integers(1, max_nodes))
+    parents = [ROOT_PARENT] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    choices = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    return make_tree(parents, tokens), choices
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(random_tree_and_choices(), min_size=1, max_size=5), st.integers(0, 3))
+def test_packed_greedy_acceptance_equals_each_tree_alone(cases, extra_width):
+    """Trees packed one after another, decided together on the device: each one's path, next token and path tokens
+    are `greedy_accept`'s for that tree alone (ties between equal-depth survivors resolved alike)."""
+    trees = [tree for tree, _ in cases]
+    width = max(t.num_nodes for t in trees) + extra_width
+    result = greedy_accept_packed(torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees]),
+                                  torch.cat([t.depth for t in trees]), torch.tensor([c for _, cs in cases for c in cs]),
+                                  len(trees), width)
+    assert result.shape == (len(trees), 2 + 2 * width)
+    for (tree, choices), row in zip(cases, result.tolist()):
+        alone = greedy_accept(tree, target_logits(choices))
+        count = row[0]
+        assert row[2 : 2 + count] == alone.path.tolist()
+        assert row[1] == alone.next_token
+        assert row[2 + width : 2 + width + count] == tree.tokens[alone.path].tolist()
 
 
 def test_accepts_a_whole_chain_and_adds_the_bonus_token():

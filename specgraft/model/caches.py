@@ -51,12 +51,12 @@ class KVCache:
                 layer.keys = layer.keys[:, :, :length]
                 layer.values = layer.values[:, :, :length]
 
-    def keep(self, prefix_len: int, rows: torch.Tensor) -> None:
+    def keep(self, prefix_len: int, rows: torch.Tensor, listed: list[int] | None = None) -> None:
         """Keep the first ``prefix_len`` positions plus ``prefix_len + rows`` (B, K), contiguously.
 
         This is the commit of an accepted path: tree nodes are written after
         the prefix in tree order, the accepted ones are gathered behind the
-        prefix and everything else is dropped.
+        prefix and everything else is dropped. (``listed``: as `StaticKVCache.keep`.)
         """
         rows = rows if rows.dim() == 2 else rows[None]
         for layer in self.hf.layers:
@@ -136,15 +136,16 @@ class StaticKVCache:
             raise ValueError(f"cannot crop a cache of {self.length} positions to {length}")
         self.length = length
 
-    def keep(self, prefix_len: int, rows: torch.Tensor) -> None:
+    def keep(self, prefix_len: int, rows: torch.Tensor, listed: list[int] | None = None) -> None:
         """Keep slots [0, prefix_len) plus ``prefix_len + rows``, gathered contiguously behind the prefix.
 
         Args:
             prefix_len: slots before the tree, kept as they are.
             rows: (K,) or (B, K) increasing tree rows (relative to the prefix) to keep, e.g. an accepted path.
+            listed: the (K,) rows as host ints where the caller read them already (else they are read here).
         """
         rows = rows if rows.dim() == 2 else rows[None]  # (B or 1, K)
-        listed = rows.tolist()  # a few paths of a few rows: cheaper to check on the host
+        listed = [listed] if listed is not None else rows.tolist()  # a few paths of a few rows: checked on the host
         k = rows.shape[1]
         if not 0 <= prefix_len <= self.length:
             raise ValueError(f"keep: prefix_len {prefix_len} outside a cache of {self.length} positions")
