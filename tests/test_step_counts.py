@@ -31,9 +31,11 @@ def counted(work) -> tuple[int, int]:
     lambda x: x.unique(), lambda x: x.masked_select(x > 100), lambda x: x.repeat_interleave(x.long().abs() % 2),
 ], ids=["item", "int", "float", "tolist", "cpu", "numpy", "nonzero", "tensor-from-list", "list-index", "unique",
         "masked_select", "repeat_interleave"])
-def test_each_host_read_counts_one_sync(read):
-    x = torch.arange(4.0)
-    assert counted(lambda: read(x))[1] == 1
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_each_host_read_counts_one_sync(read, inference):
+    with torch.inference_mode(inference):  # the engine runs under inference mode, where reads dispatch otherwise
+        x = torch.arange(4.0)
+        assert counted(lambda: read(x))[1] == 1
 
 
 def test_a_boolean_mask_index_is_a_sync_and_an_integer_index_is_not():

@@ -197,6 +197,7 @@ class BatchedKVCache:
         self, num_layers: int, kv_heads: int, head_dim: int, *, rows: int, max_len: int,
         dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     ) -> None:
+        self.max_len = max_len
         self.kv = torch.zeros(num_layers, 2, rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.views: list[StaticKVCache | None] = [None] * rows  # the sequence cache in each row, None when free
         # Each row's storage views, (kv, keys by layer, values by layer), made on its first acquire: a sequence takes a

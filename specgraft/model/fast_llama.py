@@ -477,7 +477,7 @@ class FastLlama:
         """
         b, t = x.shape[:2]
         start = cache.extend(b, t)  # new tokens take slots [start, start + t)
-        cos, sin = self._rope(x, position_ids)  # (B, T, 1, D) each
+        cos, sin = self._rope(x, position_ids, cache.max_len)  # (B, T, 1, D) each
         mask, causal = attention_mask, False
         if mask is None and t > 1:
             if start == 0:
@@ -550,7 +550,7 @@ class FastLlama:
         wanted = self.taps(hidden_layers)
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
         states: dict[int, torch.Tensor] = {}
-        cos, sin = self._rope(x, position_ids[None])  # (1, N, 1, D)
+        cos, sin = self._rope(x, position_ids[None], pool.max_len)  # (1, N, 1, D)
         packed = PackedAttention(pool, segments, x.device)
         for i, layer in enumerate(self.layers):
             if i in wanted:
@@ -571,19 +571,20 @@ class FastLlama:
         gate = F.silu(self.linear(h, layer.gate, layer.gate_bias))  # (B, T, I)
         return self.linear(gate * self.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)  # (B, T, H)
 
-    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin at each position, (B, T, 1, D), from the model's own rotary module.
 
-        Static rope types read a table that the module computed once (grown on
-        demand); dynamic ones ask the module every time, as HF does.
+        Static rope types read a table that the module computed once, for every position below ``slots`` (the
+        cache's: a token's position never exceeds its slot), grown when a larger cache comes, so no forward reads
+        its positions back from the device (vLLM keeps such a table for the model's whole context); dynamic ones
+        ask the module every time, as HF does.
         """
         if self.rotary.rope_type in DYNAMIC_ROPE:
             cos, sin = self.rotary(x, position_ids)  # (B, T, D)
             return cos[:, :, None], self._sign(sin)[:, :, None]
         table = self._rope_table
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if table is None or table[0].shape[0] < needed or table[0].dtype != x.dtype or table[0].device != x.device:
-            size = max(needed, FIRST_ALLOCATION, 0 if table is None else 2 * table[0].shape[0])
+        if table is None or table[0].shape[0] < slots or table[0].dtype != x.dtype or table[0].device != x.device:
+            size = max(slots, FIRST_ALLOCATION, 0 if table is None else table[0].shape[0])
             cos, sin = self.rotary(x, torch.arange(size, device=x.device)[None])  # (1, P, D)
             table = self._rope_table = (cos[0], self._sign(sin[0]))
         return table[0][position_ids][:, :, None], table[1][position_ids][:, :, None]

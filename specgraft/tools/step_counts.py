@@ -8,7 +8,8 @@ bare allocation counts as a kernel. A host sync is what makes the host wait
 for the device, or the device for the host:
 
 - a tensor's value read on the host: ``.item()``, ``int()``, ``float()``,
-  ``bool()`` (aten's ``_local_scalar_dense``), ``.tolist()``, ``.cpu()``,
+  ``bool()`` (aten's ``_local_scalar_dense``, or ``item`` under inference
+  mode, where it is not decomposed), ``.tolist()``, ``.cpu()``,
   ``.numpy()`` (patched while counting: on a CPU tensor they dispatch nothing);
 - an output whose shape depends on values: ``nonzero``, boolean-mask
   indexing, ``masked_select``, ``unique``, ``repeat_interleave`` without
@@ -39,12 +40,14 @@ ALLOCATIONS = frozenset({
 })
 # Ops whose output shape or value the host must wait for, whatever their arguments.
 VALUE_READS = frozenset({
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+    aten._local_scalar_dense.default, aten.item.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
     aten.is_nonzero.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
     aten.lift_fresh.default,
 })
 # Ops that read an index tensor's values on the host when it is boolean.
 INDEXING = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default})
+# repeat_interleave with a tensor of repeats reads their sum, unless given output_size (the second is inference mode's).
+REPEATS = frozenset({aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor})
 PATCHED = ("tolist", "cpu", "numpy")  # Tensor methods that reach the host without dispatching on a CPU tensor
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 PROJECT = frozenset({"heads", "tree", "infer", "train", "specgraft", "benchmarks"})  # its code's folders
@@ -114,10 +117,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in VALUE_READS or (func in INDEXING and _bool_index(args)) or (
-            func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+            func in REPEATS and kwargs.get("output_size") is None
         ):
             self._sync(str(func.overloadpacket.__name__))
-        if func not in ALLOCATIONS and not func.is_view and func is not aten._local_scalar_dense.default:
+        if func not in ALLOCATIONS and not func.is_view and func not in (aten._local_scalar_dense.default, aten.item.default):
             self.counts.kernels += 1
             self.counts.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **kwargs)
