@@ -79,6 +79,7 @@ class DraftRequest:
         state: the generation's `DraftState`, from the batch drafter's ``start``.
         root_token, policy, max_depth, sampling: as `DraftState.propose` takes them (max_depth >= 1).
         row: the state's row of the batched cache passed beside the requests (0 without one).
+        root_tensor: ``root_token`` as a (1,) tensor on the device where the engine has it there (nothing to copy).
     """
 
     state: DraftState
@@ -87,6 +88,7 @@ class DraftRequest:
     max_depth: int
     sampling: Sampling | None = None
     row: int = 0
+    root_tensor: torch.Tensor | None = None
 
 
 def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[Tree]:

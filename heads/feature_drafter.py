@@ -34,7 +34,8 @@ import torch
 
 from specgraft.heads.base import DraftRequest
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
-from specgraft.tree import Sampling, Tree, TreePolicy, grow_together
+from specgraft.model.staging import staged
+from specgraft.tree import Chain, Sampling, Tree, TreePolicy, grow_chains, grow_together
 
 
 # Commits a state holds as views of their steps' forward outputs before folding them into features: a row that
@@ -68,6 +69,8 @@ class FeatureDrafter:
         round_ = FeatureRound(self.head, requests, rows)
         try:
             round_.run_roots()
+            if all(type(r.policy) is Chain for r in requests):  # every level of every row on the device
+                return round_.chains()
             if len(requests) == 1 and not hasattr(requests[0].policy, "levels"):
                 r = requests[0]
                 step = lambda tree, frontier: round_.step([(0, tree, frontier)])[0]  # noqa: E731
@@ -181,13 +184,70 @@ class FeatureRound:
         self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
         self.cache = rows if rows is not None else requests[0].state.cache
         self.lengths = self._lengths()  # every row's committed slots, restored by `rollback`
+        self.roots: list[torch.Tensor] = []  # each request's (1,) root token on the device
+        # (starts, held, lengths, rows): (B,) each row's slots before the round, 1 where held, its state's committed
+        # tokens (0: no request), and (R,) each request's row; staged once for the round's forwards (a batched cache's)
+        self.meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._base: torch.Tensor | None = None  # (B,) each row's slots after the roots' forward (see `_chain_level`)
         self.outputs: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (H,) head output
         self.slots: list[dict[int, int]] = [{} for _ in requests]  # node -> its slot in the row's cache
         self.logp: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (V,) its children's log-probs
 
     def run_roots(self) -> None:
         """Every request's first forward: the pairs committed since its last round, then its root's."""
+        if self.rows is not None:
+            lengths = [0] * self.batch
+            for request in self.requests:
+                lengths[request.row] = request.state.length
+            held = [int(view is not None) for view in self.rows.views[: self.batch]]
+            self.meta = tuple(staged(self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests]))
         self._run({i: self._root_pairs(i) for i in range(len(self.requests))})
+
+    def chains(self) -> list[Tree]:
+        """Every request's `Chain` after `run_roots`: `grow_chains` picks each level's tokens on the device and
+        `_chain_level` runs them, every row in one forward a level, nothing read back."""
+        n = len(self.requests)
+        roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
+        state = {"level": 0, "features": torch.stack([self.outputs[i][0] for i in range(n)])}  # (R, H)
+        first = self._lengths()  # every row's slots before the first level: node d of a chain sits at first + d - 1
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            state["level"] += 1
+            state["features"] = self._chain_level(state["level"], state["features"], tokens)
+            return self.head.draft_logp(state["features"]).float().log_softmax(-1)
+
+        trees = grow_chains(roots, logp, step, [r.policy for r in self.requests], [r.max_depth for r in self.requests],
+                            [r.sampling for r in self.requests])
+        for i, (request, tree) in enumerate(zip(self.requests, trees)):
+            self.slots[i].update((d, first[request.row] + d - 1) for d in range(1, tree.num_nodes))
+        return trees
+
+    def _chain_level(self, level: int, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Level ``level`` of every request's chain: (R, H) its parents' outputs, (R,) its tokens -> (R, H) outputs.
+
+        A node at depth d sits at position length - 1 + d and sees its state's committed pairs and the root's
+        (slots [0, length)) and the chain's nodes so far (slots [base, its own]; base: the row's slots after the
+        roots' forward, their padding unseen)."""
+        if self.rows is None:  # one row over its own cache, its pairs contiguous: causal, no mask
+            position = torch.full((1, 1), self.requests[0].state.length - 1 + level, device=tokens.device)
+            return self.head.draft_step(features[:, None], tokens[:, None], position, None, self.cache)[:, 0]
+        starts, held, lengths, rows = self.meta
+        b = self.batch
+        if level == 1:
+            self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
+        slot = self._base + (level - 1) * held  # (B,) each row's new slot: its length now (a free row's: 0)
+        width = max(self._lengths()) + 1
+        columns = torch.arange(width, device=tokens.device)
+        visible = (columns < lengths[:, None]) | ((columns >= self._base[:, None]) & (columns <= slot[:, None]))
+        mask = torch.zeros(b, 1, 1, width, dtype=features.dtype, device=tokens.device)
+        mask = mask.masked_fill(~visible[:, None, None], torch.finfo(features.dtype).min)
+        in_order = [r.row for r in self.requests] == list(range(b))
+        if not in_order:  # rows of the pool that draft nothing now pad: their outputs are dropped
+            features = features.new_zeros(b, features.shape[-1]).index_copy(0, rows, features)
+            tokens = tokens.new_zeros(b).index_copy(0, rows, tokens)
+        self.cache.stage_starts(slot)
+        out = self.head.draft_step(features[:, None], tokens[:, None], (lengths - 1 + level)[:, None], mask, self.cache)
+        return out[:, 0] if in_order else out[:, 0].index_select(0, rows)
 
     def step(self, asked: list[tuple[int, Tree, torch.Tensor]]) -> list[torch.Tensor]:
         """`grow_together`'s step: one forward for every asked request's new frontier nodes."""
@@ -220,7 +280,10 @@ class FeatureRound:
         """The pairs of tokens committed since the cache's last, then the root's pair: causal over the cache."""
         request = self.requests[i]
         state, start = request.state, self.lengths[request.row]
-        tokens = torch.cat([state.next_tokens, torch.tensor([request.root_token], device=state.next_tokens.device)])
+        root = request.root_tensor
+        root = torch.tensor([request.root_token], device=state.next_tokens.device) if root is None else root
+        self.roots.append(root)
+        tokens = torch.cat([state.next_tokens, root])
         positions = torch.arange(start, state.length, device=tokens.device)  # pair j at position j
         return _Pairs([0], state.features, tokens, positions, positions + 1, None, is_root=True)
 
@@ -241,18 +304,21 @@ class FeatureRound:
         starts = self._lengths()
         first = next(iter(pairs.values()))
         b, t, device = self.batch, max(len(p.tokens) for p in pairs.values()), first.features.device
-        if b == 1 and first.is_root:  # one row's catch-up and root: plain causal attention over its cache, no mask
+        if self.rows is None and first.is_root:  # one row's catch-up and root: causal over its own cache, no mask
             out = self.head.draft_step(first.features[None], first.tokens[None], first.positions[None], None, self.cache)
             self._record(pairs, starts, out)
             return
         width = max(starts) + t
         features = first.features.new_zeros(b, t, first.features.shape[-1])
         tokens = torch.zeros(b, t, dtype=torch.long, device=device)  # padding: token 0, masked, never read
-        first_slot = torch.tensor(starts, device=device)[:, None]  # (B, 1): the row's new pairs take the next T slots
+        if first.is_root and self.meta is not None:  # staged with the round's metadata
+            first_slot = self.meta[0][:, None]
+            self.cache.stage_starts(self.meta[0])
+        else:
+            first_slot = torch.tensor(starts, device=device)[:, None]  # (B, 1): the row's new pairs take the next T slots
         positions = first_slot.repeat(1, t)  # (B, T); padding sits at its first slot's index
         columns, new = torch.arange(width, device=device), torch.arange(t, device=device)
-        visible = torch.zeros(b, t, width, dtype=torch.bool, device=device)
-        visible[torch.arange(b, device=device)[:, None], new, first_slot + new] = True  # its own slot (padding: only it)
+        visible = columns == (first_slot + new)[:, :, None]  # (B, T, W) its own slot (padding: only it)
         for i, p in pairs.items():
             row, n = self.requests[i].row, len(p.tokens)
             features[row, :n], tokens[row, :n], positions[row, :n] = p.features, p.tokens, p.positions
@@ -269,7 +335,7 @@ class FeatureRound:
         """Each request's new nodes: their outputs (B, T, H) rows, cache slots and children's log-probs."""
         # The root's forward reads only its last pair (the root's); a level's reads every pair.
         read = {i: range(len(p.tokens) - 1, len(p.tokens)) if p.is_root else range(len(p.tokens)) for i, p in pairs.items()}
-        picked = torch.cat([out[self.requests[i].row, list(cols)] for i, cols in read.items()])  # (sum, H)
+        picked = torch.cat([out[self.requests[i].row, cols.start : cols.stop] for i, cols in read.items()])  # (sum, H)
         logp = self.head.draft_logp(picked).float().log_softmax(-1).split([len(c) for c in read.values()])
         for (i, cols), row_logp in zip(read.items(), logp):
             row = self.requests[i].row

@@ -450,7 +450,7 @@ class Scheduler:
                 continue  # its state failed the commits it was owed: it left
             if request.drafter_name in self.draft_pools:
                 draft = DraftRequest(request.draft, request.root, request.tree, max_depth, request.sampling,
-                                     request.draft_row or 0)
+                                     request.draft_row or 0, request.root_tensor)
                 together.setdefault(request.drafter_name, []).append((request, draft))
                 caught_up[request.drafter_name] = caught_up.get(request.drafter_name, 0.0) + time.thread_time() - start
             else:

@@ -5,7 +5,8 @@ from specgraft.tree.dynamic import DynamicTree, subtree
 from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
 from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
 from specgraft.tree.policies import (
-    Chain, Growth, StaticTree, TreeBuilder, TreePolicy, grow_together, parse_tree_spec, policy_from_spec, tree_from_spec,
+    Chain, Growth, StaticTree, TreeBuilder, TreePolicy, grow_chains, grow_together, parse_tree_spec, policy_from_spec,
+    tree_from_spec,
 )
 from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import ROOT_PARENT, Tree
@@ -23,6 +24,7 @@ __all__ = [
     "TreeChoice",
     "TreePolicy",
     "additive_mask",
+    "grow_chains",
     "grow_together",
     "interpolate",
     "parse_tree_spec",

@@ -41,9 +41,9 @@ def pick_children(logp: torch.Tensor, k: int, draw: str, sampling: Sampling | No
         top_logp, top_tok = logp.topk(k, dim=-1)
         return Picked(top_tok, top_logp, None)
     q = sampling.probs(logp)  # (F, V), filters applied as for the target
-    support = int((q > 0).sum(dim=-1).min())
     replacement = draw == "sample"
-    if not replacement and k > support:
-        k = support  # fewer distinct tokens than asked for: draw them all
+    if not replacement:
+        support = int((q > 0).sum(dim=-1).min())  # read only where it matters: drawing without replacement
+        k = min(k, support)  # fewer distinct tokens than asked for: draw them all
     tokens = sampling.draw(q, k, replacement=replacement)  # (F, k)
     return Picked(tokens, q.gather(-1, tokens).log(), q)

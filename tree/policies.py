@@ -106,6 +106,55 @@ def grow_together(growths: Sequence[Growth], step_all: StepAllFn) -> list[Tree]:
     return trees
 
 
+# A batched drafter's step for chains: (R,) the tokens just drafted, one a row -> (R, V) log-probs of their children.
+ChainStepFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grow_chains(
+    roots: torch.Tensor, logp: torch.Tensor, step: ChainStepFn, policies: Sequence[Chain], max_depths: Sequence[int],
+    samplings: Sequence[Sampling | None],
+) -> list[Tree]:
+    """Every row's `Chain` at once, level by level: one ``step`` a level for all rows, nothing read back.
+
+    Each row drafts as its Chain's ``levels`` would alone (the same picks, and a sampled row's RNG drawn the same
+    times: a row whose chain is shorter than the longest takes the shared top-1 beyond it, which its tree drops).
+
+    Args:
+        roots: (R,) the rows' root tokens. logp: (R, V) the drafter's log-probs after each root.
+        step: the next level's log-probs after the tokens just drafted.
+        policies, max_depths, samplings: each row's chain, the deepest it may draft, and its sampling.
+    """
+    depths = [min(p.depth, m) for p, m in zip(policies, max_depths, strict=True)]
+    sampled = [s is not None and not s.greedy and p.draw != "top-k" for p, s in zip(policies, samplings)]
+    tokens, logq, q = [], [], []  # per level: (R,) picks, (R,) their log-probs, each row's (V,) q where sampled
+    for level in range(max(depths)):
+        top_logp, top = (x[:, 0] for x in logp.topk(1, dim=-1))  # (R,): every top-k row's pick, as `pick_children`
+        picks, logps, qs = [top], [top_logp], []
+        drawing = [r for r in range(len(depths)) if sampled[r] and level < depths[r]]
+        if drawing:
+            picks, logps = list(top.split(1)), list(top_logp.split(1))
+            for r in drawing:
+                picked = pick_children(logp[r : r + 1], 1, policies[r].draw, samplings[r])
+                picks[r], logps[r] = picked.tokens[0], picked.logq[0]
+                qs.append((r, picked.q[0]))
+            picks, logps = [torch.cat(picks)], [torch.cat(logps)]
+        tokens.append(picks[0])
+        logq.append(logps[0])
+        q.append(dict(qs))
+        if level + 1 < max(depths):
+            logp = step(picks[0])
+    chains = torch.stack([roots, *tokens], 1)  # (R, D + 1)
+    scores = torch.cat([torch.zeros_like(logq[0])[:, None], torch.stack(logq, 1).float().cumsum(1)], 1)
+    trees = []
+    for r, depth in enumerate(depths):
+        row_q = None
+        if sampled[r]:
+            levels = [q[level][r] for level in range(depth)]
+            row_q = torch.cat([torch.zeros_like(levels[0])[None], torch.stack(levels)])  # (depth + 1, V), root's unused
+        trees.append(Tree.chain(chains[r, : depth + 1], scores[r, : depth + 1], row_q))
+    return trees
+
+
 class TreeBuilder:
     """Appends nodes level by level and freezes them into a `Tree`."""
 

@@ -81,6 +81,16 @@ class Tree:
             return tree
         return _root_only(int(token), torch.device(device))
 
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, scores: torch.Tensor, q: torch.Tensor | None = None) -> Tree:
+        """A chain of ``tokens`` (N,) (the root first), its structure shared by every chain of that length: a batched
+        drafter's chains are views of its tensors, their structure known without reading anything back."""
+        parents, depth, ancestors = _chain_structure(tokens.shape[0], tokens.device)
+        tree = cls(tokens, parents, depth, scores, q, ancestors=ancestors)
+        n = tokens.shape[0]
+        tree.__dict__.update(parent_list=list(range(-1, n - 1)), depth_list=list(range(n)))
+        return tree
+
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
             return self
@@ -174,6 +184,13 @@ def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
         torch.zeros(1, device=device),
         torch.ones(1, 1, dtype=torch.bool, device=device),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_structure(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parents, depth, ancestors) of an ``n``-node chain on ``device``."""
+    depth = torch.arange(n, device=device)
+    return depth - 1, depth, torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 @functools.lru_cache(maxsize=ROOT_TREES)

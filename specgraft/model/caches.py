@@ -204,6 +204,7 @@ class BatchedKVCache:
         # row per request, and splitting a row's layers anew cost 10 us of a 17 us acquire (stories260K's head).
         self._row_views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None] = [None] * rows
         self._slots: torch.Tensor | None = None  # (B, Hkv, T, D) write index of the forward in progress
+        self._staged_starts: torch.Tensor | None = None  # the next extend's starts, where a caller staged them
         self._width = 0  # slots the forward in progress attends over: max start + T
 
     @property
@@ -251,12 +252,19 @@ class BatchedKVCache:
         for view in self.views[:batch]:
             if view is not None:
                 view.extend(1, new)
-        start = torch.tensor(starts, device=self.kv.device)
+        start, self._staged_starts = self._staged_starts, None
+        if start is None:
+            start = torch.tensor(starts, device=self.kv.device)
         self._width = max(starts) + new
         _, _, _, heads, _, dim = self.kv.shape
         index = start[:, None] + torch.arange(new, device=self.kv.device)  # (B, T) slot of each new token
         self._slots = index[:, None, :, None].expand(batch, heads, new, dim)
         return start
+
+    def stage_starts(self, starts: torch.Tensor) -> None:
+        """The next `extend`'s (B,) row starts, on the device already: the caller staged them with its other
+        metadata, and that extend copies no list. They must be the rows' lengths then (a free row's: 0)."""
+        self._staged_starts = starts
 
     def update(self, layer: int, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, Hkv, T, D) keys/values at each row's slots from `extend`; return slots [0, max start + T) of rows 0..B-1."""

@@ -35,6 +35,7 @@ from torch import nn
 
 from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
 from specgraft.model.small_rows import SMALL_ROWS, SmallRowChoice, small_row_choice, transposed_linear
+from specgraft.model.staging import staged
 
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
 # refused: they may override any part of the forward.
@@ -150,7 +151,7 @@ class PackedAttention:
         else:
             group = [i for i in everyone if sizes[i] == 1]
             group = group if len(group) > 1 else []
-        # Every index list the layers need is built on the host first, then staged in one copy (`_staged`).
+        # Every index list the layers need is built on the host first, then staged in one copy (`staged`).
         seen, trees, grid, columns, in_place = [], [], [], [], True
         if group:
             lo, hi = min(rows[i] for i in group), max(rows[i] for i in group) + 1
@@ -168,9 +169,9 @@ class PackedAttention:
             # The packed order already is the padded one (every token in the group, each row of the span in turn,
             # all of one size): no moves.
             in_place = len(group) == len(everyone) and grid == columns == list(range((hi - lo) * widest))
-        staged = _staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], [rows[i] - lo for i in trees],
+        staged_lists = staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], [rows[i] - lo for i in trees],
                          [] if in_place else grid, [] if in_place else columns)
-        self.rows, self.slots, seen_at, tree_starts, tree_rows, grid_at, columns_at = staged
+        self.rows, self.slots, seen_at, tree_starts, tree_rows, grid_at, columns_at = staged_lists
         self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
         for i in everyone:
             if i not in group:
@@ -214,17 +215,6 @@ class PackedAttention:
             result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
             out[0, :, columns] = result.transpose(0, 1).reshape(heads, -1, dim)[:, grid]
         return out.transpose(1, 2).reshape(1, n, heads * dim)
-
-
-def _staged(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
-    """Host-built int lists as (len,) int64 tensors on ``device``, in one copy: from pinned memory without blocking
-    on a GPU (a tensor built from a list apiece would block once per list)."""
-    flat = [x for values in lists for x in values]
-    if device.type == "cuda":
-        staged = torch.tensor(flat, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
-    else:
-        staged = torch.tensor(flat, dtype=torch.long, device=device)
-    return list(staged.split([len(values) for values in lists]))
 
 
 def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
