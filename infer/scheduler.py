@@ -582,44 +582,38 @@ class Scheduler:
         if not greedy and not roots:
             return {}
         try:
-            parts, layout = [], []  # device results, and (rows, width) of each greedy part
+            parts: list[tuple[torch.Tensor, list[int], int]] = []  # (result, its rows, width; 0: next tokens alone)
             if greedy:
                 packed = self._packed
                 if packed is not None and len(greedy) > 1:  # the whole packed forward at once (its other rows unread)
                     logits, tokens, order = packed
                     group = [trees[h] for h in order]
-                    handles = order
+                    parts.append(_greedy_part(tokens, group, logits.argmax(-1), order))
                 else:  # row by row (one row's forward, or Hugging Face's forward per row)
-                    logits = tokens = None
-                    group, handles = None, [r.handle for r in greedy]
-                if group is not None:
-                    width = max(t.num_nodes for t in group)
-                    parts.append(greedy_accept_packed(tokens, torch.cat([t.parents for t in group]),
-                                                      torch.cat([t.depth for t in group]), logits.argmax(-1),
-                                                      len(group), width))
-                    layout.append((handles, width))
-                else:
-                    for handle in handles:
-                        tree = trees[handle]
-                        parts.append(greedy_accept_packed(tree.tokens, tree.parents, tree.depth,
-                                                          verified[handle][0].argmax(-1), 1, tree.num_nodes))
-                        layout.append(([handle], tree.num_nodes))
+                    for r in greedy:
+                        tree = trees[r.handle]
+                        parts.append(_greedy_part(tree.tokens, [tree], verified[r.handle][0].argmax(-1), [r.handle]))
             picks = [_choose_one(r.sampling, verified[r.handle][0][0]) for r in roots]
-            flat = torch.cat([p.flatten() for p in parts] + picks)
+            flat = [part.flatten() for part, _, _ in parts] + picks
+            flat = flat[0] if len(flat) == 1 else torch.cat(flat)
             values = flat.tolist()  # the step's one read of the rows' choices
         except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
-        chosen, at, offset = {}, 0, 0
+        chosen, at = {}, 0
         wanted = {r.handle for r in greedy}
-        for part, (handles, width) in zip(parts, layout):
-            result = part.view(len(handles), 2 + 2 * width)
+        for part, handles, width in parts:
+            size = 2 + 2 * width if width else 1
             for k, handle in enumerate(handles):
-                if handle in wanted:
-                    row = values[at + k * (2 + 2 * width): at + (k + 1) * (2 + 2 * width)]
-                    count, next_token = row[0], row[1]
-                    path = row[2: 2 + count]
-                    chosen[handle] = Chosen(Acceptance(result[k, 2: 2 + count], next_token), path,
-                                            row[3 + width: 2 + width + count] + [next_token], result[k, 1:2])
+                if handle not in wanted:
+                    continue
+                row = values[at + k * size : at + (k + 1) * size]
+                if not width:  # a root alone: the row's choice is its next token
+                    chosen[handle] = Chosen(Acceptance(root_path(part.device), row[0]), [0], row, part[k : k + 1])
+                    continue
+                count, next_token = row[0], row[1]
+                result = part.view(len(handles), size)
+                chosen[handle] = Chosen(Acceptance(result[k, 2 : 2 + count], next_token), row[2 : 2 + count],
+                                        row[3 + width : 2 + width + count] + [next_token], result[k, 1:2])
             at += part.numel()
         for request, pick in zip(roots, picks):
             chosen[request.handle] = Chosen(Acceptance(root_path(pick.device), values[at]), [0], [values[at]], pick)
@@ -781,6 +775,20 @@ class Scheduler:
         if request.draft_row is not None:
             self.draft_pools[request.drafter_name].release(request.draft_row)
             request.draft_row = None
+
+
+def _greedy_part(
+    tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, handles: list[int]
+) -> tuple[torch.Tensor, list[int], int]:
+    """Greedy acceptance of ``trees`` (packed one after another, ``tokens`` and the target's ``choice`` (N,) at
+    each node) as `Scheduler._choose_together` reads it: (result, handles, width); roots alone need only their
+    choices (width 0), trees `greedy_accept_packed`'s rows."""
+    width = max(t.num_nodes for t in trees)
+    if width == 1:
+        return choice, handles, 0
+    parents, depth = (torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])) if len(trees) > 1 else (
+        trees[0].parents, trees[0].depth)
+    return greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width
 
 
 def _choose_one(sampling: Sampling, logits: torch.Tensor) -> torch.Tensor:

