@@ -314,8 +314,15 @@ def test_report_files_and_keys(stories, tmp_path):
     assert hf["draft_tokens_per_token"] is None
     assert hf["target_calls"] == 2 * (N - 1) and hf["mean_accepted_length"] == 1.0  # one chunk per greedy step
     assert by_name["self chain:3"]["mean_accepted_length"] > 1.5  # the target drafting for itself is accepted
+    # Kernels and host syncs a decoding step, counted for our engine's methods (not transformers')
+    assert hf["kernels_per_step"] is None and by_name["hf-pld"]["syncs_per_step"] is None
+    ours = [by_name[name] for name in ("plain", "prompt-lookup", "self chain:3")]
+    assert all(m["kernels_per_step"] > 50 and m["syncs_per_step"] >= 1 for m in ours)
+    assert by_name["plain"]["syncs_per_step"] == 1.0  # batch 1: the choice read back, nothing else
+    assert by_name["self chain:3"]["kernels_per_step"] > by_name["plain"]["kernels_per_step"]
     markdown = (tmp_path / "results.md").read_text()
-    assert "| method | tau | tokens/s | vs plain | vs hf | vs hf-pld |" in markdown
+    assert "| method | tau | tokens/s | vs plain | vs hf | vs hf-pld | kernels / syncs a step |" in markdown
+    assert f"| {by_name['plain']['kernels_per_step']:.0f} / 1.0 |" in markdown
     assert all(f"| {name} |" in markdown for name in by_name)
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -508,6 +515,8 @@ def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(sto
     plain = [r for r in printed["rows"] if r["method"] == "plain"]
     assert all(r["mean_accepted_length"] == 1.0 and r["total_tokens_per_s"] > 0 for r in plain)
     assert all(r["paired_vs_plain_p25"] == r["paired_vs_plain_p50"] == r["paired_vs_plain_p75"] == 1.0 for r in plain)
+    assert all(r["kernels_per_step"] > 50 and r["syncs_per_step"] >= 1 for r in printed["rows"])
+    assert [r["syncs_per_step"] for r in plain] == [1.0, 2.0]  # the choices read back; at batch 2 the packing staged
     assert (tmp_path / "out" / "throughput_vs_batch_size.png").is_file()
     markdown = (tmp_path / "out" / "results.md").read_text()
     assert "| plain |" in markdown and "| self adaptive |" in markdown and "Against plain decoding" in markdown

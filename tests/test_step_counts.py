@@ -83,6 +83,26 @@ def test_plain_decoding_syncs_at_most_twice_a_step(stories, options):
         assert counts.syncs_per_step <= PLAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
 
 
+# A batched drafter's chain step: the round's metadata staged once, the target forward's once, the choices read once.
+CHAIN_SYNCS = 4
+
+
+def test_greedy_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle):
+    """The whole draft of every row (all levels) runs on the device; only the target's choices come back."""
+    import specgraft as sg
+
+    drafter = sg.load_drafter(trained_eagle, stories)
+    for batch in (1, 16):
+        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=batch)
+        for k in range(batch):
+            scheduler.submit(f"Once upon a time {k}", max_new_tokens=4 * STEPS + 8, drafter="eagle", tree=sg.Chain(4),
+                             eos_token_id=())
+        scheduler.step()
+        scheduler.step()
+        counts = count_steps(scheduler.step, STEPS)
+        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+
+
 def test_plain_decoding_kernels_do_not_grow_with_the_batch(stories):
     one = count_steps(steady(stories, 1).step, STEPS)
     sixteen = count_steps(steady(stories, 16).step, STEPS)

@@ -55,6 +55,7 @@ from specgraft.tools.bench_runners import (
     HF_PLD_NUM_TOKENS, STATS_KEYS, Runner, baseline_runner, drafter_label, engine_runner, parse_baseline,
 )
 from specgraft.tools.prompts import BenchPrompt, encode_prompt, read_prompt_file
+from specgraft.tools.step_counts import count_decoding
 from specgraft.tree import Adaptive, Chain, TreePolicy, parse_tree_spec
 
 if TYPE_CHECKING:
@@ -312,6 +313,9 @@ def run_bench(
     finally:
         torch.set_num_threads(before)
     entries = [_method_entry(r, runs[r.name]) for r in runners]
+    for runner, entry in zip(runners, entries):  # counted on the first prompt, untimed (see `count_decoding`)
+        counts = count_decoding(runner.generator, encoded[:1], max_new_tokens) if runner.generator else None
+        entry.update(kernels_per_step=counts and counts.kernels_per_step, syncs_per_step=counts and counts.syncs_per_step)
     baseline_names = names[: len(baselines)]  # runner names: hf-assisted:PATH becomes hf-assisted:DIRNAME
     _add_speedups(entries, baseline_names)
     mismatches = _mismatches(runs, reference) if temperature == 0 else []

@@ -32,6 +32,8 @@ from typing import Any, Mapping, Sequence
 from specgraft.heads import Drafter
 from specgraft.infer import GoodputController, SpeculativeGenerator, percentile, quartiles
 from specgraft.model import Target
+from specgraft.tools.bench_report import counted
+from specgraft.tools.step_counts import count_decoding
 from specgraft.tree import Adaptive, TreePolicy
 
 PLOT = "throughput_vs_batch_size.png"
@@ -87,7 +89,11 @@ def run_batch_sweep(
             for (outs, _), (ref, _) in zip(method_runs, reference):
                 mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
             engine = getattr(dict(engines)[name], "engine_name", "other") if name in external else "specgraft"
-            rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference)})
+            # Kernels and host syncs a decoding step, counted over the first group again, untimed
+            counts = None if name in external else count_decoding(dict(gens)[name], groups[0], max_new_tokens)
+            rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference),
+                         "kernels_per_step": counts and counts.kernels_per_step,
+                         "syncs_per_step": counts and counts.syncs_per_step})
     return {
         "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                      "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
@@ -193,12 +199,17 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
     def ms(value: float | None, digits: int) -> str:
         return "-" if value is None else f"{value * 1e3:.{digits}f}"
 
-    lines += ["| method | B | request tokens/s p50 | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---:|---:|---:|---:|"]
+    lines += ["| method | B | request tokens/s p50 | TTFT p50 / p99 ms | ITL p50 / p99 ms | kernels / syncs a step |",
+              "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['batch_size']} | {r['request_tokens_per_s_p50']:.1f} | "
-            f"{ms(r['ttft_p50_s'], 1)} / {ms(r['ttft_p99_s'], 1)} | {ms(r['itl_p50_s'], 2)} / {ms(r['itl_p99_s'], 2)} |"
+            f"{ms(r['ttft_p50_s'], 1)} / {ms(r['ttft_p99_s'], 1)} | {ms(r['itl_p50_s'], 2)} / {ms(r['itl_p99_s'], 2)} | "
+            f"{counted(r)} |"
         )
+    lines += ["", "Kernels / syncs a step: aten ops and host syncs a decoding step dispatched (prefills excluded), "
+              "counted over each size's first group, untimed (specgraft.tools.step_counts): on a GPU each op is a "
+              "launch and each sync drains the queue."]
     if any(r["itl_p50_s"] is None for r in rows):
         lines += ["", "-: not reported by that engine (vLLM's offline outputs carry each request's first and last token "
                   "times, not each token's)."]

@@ -13,11 +13,18 @@ def _fmt(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def counted(row: Mapping[str, Any]) -> str:
+    """A row's kernels and host syncs a decoding step, or - where not counted (another engine's)."""
+    if row.get("kernels_per_step") is None:
+        return "-"
+    return f"{row['kernels_per_step']:.0f} / {row['syncs_per_step']:.1f}"
+
+
 def results_markdown(results: Mapping[str, Any]) -> str:
     """The table a README quotes: method, tau, end-to-end tokens/s, speedup vs each baseline."""
     settings = results["settings"]
     bases = settings["baselines"]
-    header = ["method", "tau", "tokens/s"] + [f"vs {b}" for b in bases]
+    header = ["method", "tau", "tokens/s"] + [f"vs {b}" for b in bases] + ["kernels / syncs a step"]
     temperature = settings.get("temperature", 0.0)
     lines = [
         f"# specgraft bench: {settings['target']}",
@@ -42,13 +49,16 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     for m in results["methods"]:
         row = [m["method"], _fmt(m["mean_accepted_length"], 2), _fmt(m["e2e_tokens_per_s"], 1)]
         row += [_fmt(m["speedup_vs"].get(b), 2) + "x" if m["speedup_vs"].get(b) is not None else "-" for b in bases]
+        row.append(counted(m))
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
         "tau: committed tokens per target call after the first (HF methods: tokens per streamed chunk). "
         "tokens/s: median over prompts of new tokens / wall time of the whole call, prefill included, "
         "the same clock for every method; speedups are ratios of these medians. "
-        "Methods ran interleaved, prompt by prompt.",
+        "Methods ran interleaved, prompt by prompt. Kernels / syncs a step: aten ops and host syncs a decoding "
+        "step dispatched, counted on the first prompt (untimed; specgraft.tools.step_counts): on a GPU each op is "
+        "a launch and each sync drains the queue.",
         "",
     ]
     categories = settings.get("categories") or []

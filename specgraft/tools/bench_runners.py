@@ -54,6 +54,7 @@ class Runner:
     generate: Callable[[list[int], int], tuple[list[int], dict[str, Any]]]
     source: str = "specgraft"
     measured: tuple[str, ...] = STATS_KEYS
+    generator: SpeculativeGenerator | None = None  # our engine's, whose steps the bench also counts
 
 
 def engine_runner(
@@ -66,7 +67,7 @@ def engine_runner(
         out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature)
         return out.token_ids, out.stats.to_dict()
 
-    return Runner(name, generate)
+    return Runner(name, generate, generator=gen)
 
 
 class ChunkClock(BaseStreamer):

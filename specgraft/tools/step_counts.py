@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -131,6 +131,23 @@ def count_steps(step: Callable[[], Any], steps: int) -> Counts:
     with OpCounter() as counter:
         for _ in range(steps):
             step()
+    counter.counts.steps = steps
+    return counter.counts
+
+
+def count_decoding(generator: Any, prompts: Sequence[list[int]], max_new_tokens: int) -> Counts:
+    """Kernels and host syncs a decoding step of ``generator`` (a `SpeculativeGenerator`) over ``prompts`` decoded
+    together, greedy: every step after the first (which admits the prompts and prefills them) to the end."""
+    scheduler = generator.scheduler(max_batch_size=len(prompts))
+    scheduler.closed = True
+    for ids in prompts:
+        scheduler.submit(ids, max_new_tokens, eos_token_id=())
+    scheduler.step()
+    steps = 0
+    with OpCounter() as counter:
+        while not scheduler.idle:
+            scheduler.step()
+            steps += 1
     counter.counts.steps = steps
     return counter.counts
 
