@@ -136,7 +136,7 @@ class EagleHead(nn.Module):
 
     # -- the FeatureDrafter interface --------------------------------------------------------------
     def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        return hidden[self.hidden_layers[0]].float()
+        return hidden[self.hidden_layers[0]].to(self.fc.weight.dtype)
 
     def new_draft_cache(self, max_len: int) -> StaticKVCache:
         return self.fast().new_cache(max_len)

@@ -133,7 +133,7 @@ class Eagle3Head(nn.Module):
     # -- the layer --------------------------------------------------------------------------------
     def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """Target states at the three taps -> (.., H) fused feature."""
-        return self.fc(torch.cat([hidden[i].float() for i in self.hidden_layers], dim=-1))
+        return self.fc(torch.cat([hidden[i].to(self.fc.weight.dtype) for i in self.hidden_layers], dim=-1))
 
     def layer_inputs(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T, H) feature and (B, T) tokens -> (B, T, 2H) normed [embedding, feature]."""

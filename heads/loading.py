@@ -49,7 +49,9 @@ def load_head(path: str | Path, target: Target) -> nn.Module:
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{Path(path) / 'model.safetensors'} does not fit this {config.type} head: missing {missing}, unexpected {unexpected}")
-    return head.to(target.device).eval()
+    # In the target's dtype: a bf16 target's features, embeddings and output layer need no cast a call (the
+    # output layer, shared with the target, would otherwise be copied whole at every draft level)
+    return head.to(device=target.device, dtype=target.dtype).eval()
 
 
 def as_drafter(head: nn.Module, target: Target) -> Drafter:

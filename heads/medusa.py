@@ -109,9 +109,10 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
-        hidden = torch.stack([request.state.last_hidden for request in requests]).float()  # (B, H)
+        dtype = next(self.heads.parameters()).dtype  # the target's, as loaded; float32 while training
+        hidden = torch.stack([request.state.last_hidden for request in requests]).to(dtype)  # (B, H)
         depths = [min(r.max_depth, r.policy.max_depth, self.heads.config.num_heads) for r in requests]
-        logp = self.heads(hidden, num_heads=max(depths)).log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
+        logp = self.heads(hidden, num_heads=max(depths)).float().log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
         return grow_by_depth(requests, logp.transpose(0, 1))  # policies cap a request's depth at their own
 
 

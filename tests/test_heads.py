@@ -10,7 +10,7 @@ import torch
 import specgraft as sg
 from specgraft.heads import EagleDrafter, as_drafter, build_head, load_drafter, load_head, save_head
 from specgraft.heads.base import TrainBatch
-from specgraft.heads.configs import DistillConfig, EagleConfig, MedusaConfig
+from specgraft.heads.configs import DFlashConfig, DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
 from conftest import tiny_causal_lm
 
 
@@ -223,3 +223,25 @@ def test_eagle_draft_path_matches_the_training_forward(tiny_target):
     reference = head(feats, tokens, positions)
     fast = head.draft_forward(feats, tokens, positions, None, head.fast().new_cache(64))
     assert torch.allclose(fast, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [MedusaConfig(num_heads=2), EagleConfig(), Eagle3Config(draft_vocab_size=40),
+                                    DFlashConfig(block_size=4, mask_token_id=96)], ids=lambda c: c.type)
+def test_a_head_loaded_beside_a_bf16_target_runs_in_bf16_and_keeps_greedy_output(tmp_path, config):
+    """A head trained in float32 is loaded in its target's dtype (its output layer and embeddings stay the target's
+    own tensors, never copied a call), and greedy output stays plain decoding's."""
+    target = sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=3, layers=4), dtype="bfloat16")
+    head = build_head(config, target)
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    save_head(head.float(), tmp_path / "head", target)
+    loaded = load_head(tmp_path / "head", target)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    if isinstance(config, EagleConfig):  # EAGLE drafts through the target's own output layer
+        assert loaded.lm_head_weight.data_ptr() == target.model.get_output_embeddings().weight.data_ptr()
+    prompt = [1, 4, 8, 15, 16]
+    plain = sg.SpeculativeGenerator(target, None).generate(prompt, max_new_tokens=24, eos_token_id=())
+    for tree in (sg.Chain(3), sg.StaticTree([[0], [1], [0, 0]])):
+        out = sg.SpeculativeGenerator(target, as_drafter(loaded, target), tree=tree).generate(
+            prompt, max_new_tokens=24, eos_token_id=())
+        assert out.token_ids == plain.token_ids
