@@ -34,7 +34,8 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from specgraft.model import BatchedKVCache, StaticKVCache
-from specgraft.tree import Sampling, Tree, TreePolicy
+from specgraft.model.staging import staged
+from specgraft.tree import Chain, Sampling, Tree, TreePolicy, grow_chains
 
 
 @runtime_checkable
@@ -91,9 +92,23 @@ class DraftRequest:
     root_tensor: torch.Tensor | None = None
 
 
+def root_tokens(requests: Sequence[DraftRequest], device: torch.device) -> torch.Tensor:
+    """(R,) the requests' root tokens on ``device``: their device copies where all have one, else staged in one copy."""
+    if all(r.root_tensor is not None for r in requests):
+        return torch.cat([r.root_tensor for r in requests]).to(device)
+    return staged(device, [r.root_token for r in requests])[0]
+
+
 def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[Tree]:
     """Each request's tree from per-depth draft distributions that do not depend on the parent (Medusa's heads,
-    DFlash's block slots): ``logp`` (B, D, V), row b's depth-d children drawn from ``logp[b, d - 1]``; at most D deep."""
+    DFlash's block slots): ``logp`` (B, D, V), row b's depth-d children drawn from ``logp[b, d - 1]``; at most D deep.
+
+    Chains are grown for every row at once on the device (`grow_chains`); other trees row by row."""
+    if all(type(r.policy) is Chain for r in requests):
+        levels = iter(range(1, logp.shape[1]))
+        return grow_chains(root_tokens(requests, logp.device), logp[:, 0], lambda _: logp[:, next(levels)],
+                           [r.policy for r in requests], [min(r.max_depth, logp.shape[1]) for r in requests],
+                           [r.sampling for r in requests])
     trees = []
     for request, row_logp in zip(requests, logp):
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth
+from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth, root_tokens
 from specgraft.heads.configs import DFlashConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target, rms_norm
@@ -358,15 +358,16 @@ class DFlashDrafter:
         lengths = [len(s.cache) for s in states]  # context positions: the root sits at position `length`
         k_size, device = head.block_size, self.device
         blocks = torch.full((len(states), k_size), head.config.mask_token_id, dtype=torch.long, device=device)
-        blocks[:, 0] = torch.tensor([r.root_token for r in requests], device=device)
+        blocks[:, 0] = root_tokens(requests, device)
         x = head.embed(blocks)[:, None]  # (B, 1, K, H): one block a row
-        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(k_size, device=device)
+        lengths_at = torch.tensor(lengths, device=device)  # (B,) one copy for the positions and the padding
+        positions = lengths_at[:, None] + torch.arange(k_size, device=device)
         cos, sin = head.rope(x[:, 0], positions)
         width = max(lengths)
         context = [self._context(states, requests, rows, layer, width) for layer in range(len(head.layers))]
         sees = None
         if min(lengths) != width:  # padded: a row sees its own context positions
-            sees = (torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None])[:, None]
+            sees = (torch.arange(width, device=device) < lengths_at[:, None])[:, None]
         out = head.run_block(x, cos[:, None], sin[:, None], context, sees)[:, 0]  # (B, K, H)
         for state in states:
             state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward

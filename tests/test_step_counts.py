@@ -176,3 +176,25 @@ def test_chains_drafted_together_in_rows_out_of_order_decode_as_each_alone(stori
         while not alone.idle:
             out += [t for e in alone.step() if isinstance(e, sg.Tokens) and e.handle == handle for t in e.token_ids]
         assert together[k] == out, f"request {k} ({options})"
+
+
+@pytest.mark.parametrize("kind", ["medusa", "dflash"])
+def test_depth_drafters_chains_sync_at_most_four_times_a_step(stories, kind):
+    """Medusa's heads and DFlash's block draft every depth at once; their chains are picked on the device for all
+    rows (random heads: the counts do not depend on what is accepted)."""
+    import specgraft as sg
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import DFlashConfig, MedusaConfig
+
+    torch.manual_seed(0)
+    config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
+    drafter = as_drafter(build_head(config, stories).eval(), stories)
+    for batch in (1, 16):
+        scheduler = Scheduler(stories, {kind: drafter}, max_batch_size=batch)
+        for k in range(batch):
+            scheduler.submit(f"Once upon a time {k}", max_new_tokens=3 * STEPS + 8, drafter=kind, tree=sg.Chain(3),
+                             eos_token_id=())
+        scheduler.step()
+        scheduler.step()
+        counts = count_steps(scheduler.step, STEPS)
+        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
