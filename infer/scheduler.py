@@ -46,7 +46,9 @@ from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
-from specgraft.infer.verify import Acceptance, AcceptRule, accept, greedy_accept_packed, root_path, sample_accept
+from specgraft.infer.verify import (
+    Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, root_path, sample_accept,
+)
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import Adaptive, Chain, Sampling, Tree, TreePolicy, tree_attention_mask, tree_position_ids
 
@@ -579,7 +581,9 @@ class Scheduler:
         commits; so do all, if this fails."""
         greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
         roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r not in greedy]
-        if not greedy and not roots:
+        chains = [r for r in rows if not r.sampling.greedy and r.acceptance is sample_accept
+                  and trees[r.handle].num_nodes > 1 and trees[r.handle].is_chain]
+        if not greedy and not roots and not chains:
             return {}
         try:
             parts: list[tuple[torch.Tensor, list[int], int]] = []  # (result, its rows, width; 0: next tokens alone)
@@ -593,6 +597,10 @@ class Scheduler:
                     for r in greedy:
                         tree = trees[r.handle]
                         parts.append(_greedy_part(tree.tokens, [tree], verified[r.handle][0].argmax(-1), [r.handle]))
+            for r in chains:  # sampled chains, each under its own filters and RNG
+                tree = trees[r.handle]
+                result = accept_chain(tree, verified[r.handle][0], r.sampling, tree.num_nodes)
+                parts.append((result, [r.handle], tree.num_nodes))
             picks = [_choose_one(r.sampling, verified[r.handle][0][0]) for r in roots]
             flat = [part.flatten() for part, _, _ in parts] + picks
             flat = flat[0] if len(flat) == 1 else torch.cat(flat)
@@ -600,7 +608,7 @@ class Scheduler:
         except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
         chosen, at = {}, 0
-        wanted = {r.handle for r in greedy}
+        wanted = {r.handle for r in greedy + chains}
         for part, handles, width in parts:
             size = 2 + 2 * width if width else 1
             for k, handle in enumerate(handles):

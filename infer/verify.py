@@ -117,11 +117,22 @@ EMPTY_RESIDUAL = 1e-6
 AcceptRule = Callable[[Tree, torch.Tensor, Sampling], Acceptance]
 
 
+def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """(N, V) the target's p as every stochastic acceptance reads it: the generation's filters, the very ones the
+    draft's q went through (one function for both sides, and one place p is made)."""
+    return sampling.probs(logits)
+
+
 def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, rule: AcceptRule) -> Acceptance:
     """The path a generation keeps: `greedy_accept` under greedy decoding, else ``rule`` on the filtered p."""
     if sampling.greedy:
         return greedy_accept(tree, sampling.ban(logits))
-    return rule(tree, sampling.probs(logits), sampling)  # (N, V) the same filters the draft's q went through
+    return rule(tree, target_probs(logits, sampling), sampling)
+
+
+def accept_chain(tree: Tree, logits: torch.Tensor, sampling: Sampling, width: int) -> torch.Tensor:
+    """`sample_accept_chain` on the target's filtered p at a sampled chain's nodes (the exact rule, on the device)."""
+    return sample_accept_chain(tree, target_probs(logits, sampling), sampling, width)
 
 
 def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance:
@@ -162,6 +173,42 @@ def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance
                 return _done(path, correction, p.device)
             node = child
         path.append(node)
+
+
+def sample_accept_chain(tree: Tree, p: torch.Tensor, sampling: Sampling, width: int) -> torch.Tensor:
+    """`sample_accept` on a chain, on the device: every draw made at once, nothing read back.
+
+    The sequential rule stops at the first rejection; here every level's test and every level's fallback draw are
+    made up front and the first rejection picks among them, so each committed token follows the same law (the
+    draws past the first rejection are independent of it and are dropped). Top-k chains (point masses): one draw
+    from each node's p, the path kept while the draws match. Sampled chains: x_i is kept with probability
+    min(1, p_{i-1}(x_i) / q_i(x_i)); the first rejected level's token comes from norm(max(p - q, 0)) there (p
+    itself where that residual is empty); a chain kept whole earns a token from its last p.
+
+    Args:
+        tree: a chain of N nodes (``tree.q`` (N, V) where its tokens were sampled). p: (N, V) target
+            distributions after the generation's filters. sampling: the generation's; its RNG draws.
+        width: at least N: the result's padding, as `greedy_accept_packed`'s rows.
+
+    Returns:
+        (2 + 2 * width,) int64: the path's length K, the next token, the path's K nodes (0..K-1) and tokens, padded.
+    """
+    n = tree.num_nodes
+    tokens = tree.tokens
+    if tree.q is None:
+        draws = sampling.draw(p)[:, 0]  # (N,) one draw from each node's p
+        kept = (draws[:-1] == tokens[1:]).long().cumprod(0).sum()
+    else:
+        q, drafted = tree.q[1:], tokens[1:]  # (N - 1, V), (N - 1,)
+        ratio = (p[:-1].gather(1, drafted[:, None]) / q.gather(1, drafted[:, None]))[:, 0].clamp(max=1.0)
+        u = torch.rand(n - 1, generator=sampling.generator, device=p.device)
+        kept = (u < ratio).long().cumprod(0).sum()
+        residual = (p[:-1] - q).clamp(min=0.0)
+        mass = residual.sum(-1, keepdim=True)
+        fallback = torch.where(mass > EMPTY_RESIDUAL, residual / mass.clamp(min=EMPTY_RESIDUAL), p[:-1])
+        draws = sampling.draw(torch.cat([fallback, p[-1:]]))[:, 0]  # (N,) level i's correction, then the bonus
+    path = torch.minimum(torch.arange(width, device=p.device), kept)  # 0..K-1, then K-1 repeated (K = kept + 1)
+    return torch.cat([(kept + 1)[None], draws[kept[None]], path, tokens[path]])
 
 
 def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, sampling: Sampling) -> tuple[int | None, int | None]:

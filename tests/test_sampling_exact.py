@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import specgraft as sg
-import specgraft.infer.scheduler as scheduler_module
+import specgraft.infer.verify as verify_module
 from specgraft.heads.dflash import DFlashDrafter, DFlashDraftState
 from specgraft.tree import Sampling
 from specgraft.tools.exactness import fit
@@ -202,10 +202,9 @@ def test_negative_control_wrong_rule_fails_the_same_test():
 def test_negative_control_filter_on_one_side_only_fails(monkeypatch):
     """Filtering q but not p (a known bug in the wild) breaks exactness, and the test sees it."""
 
-    def accept_with_unfiltered_p(tree, logits, sampling, rule):
-        p = Sampling(temperature=sampling.temperature).probs(logits)  # WRONG: top-k dropped
-        return rule(tree, p, sampling)
+    def unfiltered_p(logits, sampling):
+        return Sampling(temperature=sampling.temperature).probs(logits)  # WRONG: top-k dropped
 
-    monkeypatch.setattr(scheduler_module, "accept", accept_with_unfiltered_p)
+    monkeypatch.setattr(verify_module, "target_probs", unfiltered_p)  # where every acceptance makes p
     result = fit(sample_continuations("draft-model sampled chain", 1.0, {"top_k": 2}, n=ENGINE_SAMPLES), exact(1.0, {"top_k": 2}))
     assert not result.passed, f"the test has no power: one-sided filtering passed with {result}"

@@ -87,8 +87,10 @@ def test_plain_decoding_syncs_at_most_twice_a_step(stories, options):
 CHAIN_SYNCS = 4
 
 
-def test_greedy_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle):
-    """The whole draft of every row (all levels) runs on the device; only the target's choices come back."""
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
+def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, options):
+    """The whole draft of every row (all levels) runs on the device, and so does acceptance, greedy or exact
+    sampling (`sample_accept_chain`); only the rows' paths and next tokens come back."""
     import specgraft as sg
 
     drafter = sg.load_drafter(trained_eagle, stories)
@@ -96,7 +98,7 @@ def test_greedy_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eag
         scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=batch)
         for k in range(batch):
             scheduler.submit(f"Once upon a time {k}", max_new_tokens=4 * STEPS + 8, drafter="eagle", tree=sg.Chain(4),
-                             eos_token_id=())
+                             eos_token_id=(), seed=k, **options)
         scheduler.step()
         scheduler.step()
         counts = count_steps(scheduler.step, STEPS)

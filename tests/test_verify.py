@@ -328,3 +328,72 @@ def test_prompt_lookup_index_agrees_with_a_full_scan_as_the_history_grows(seed):
         step = [root] + torch.randint(0, 5, (int(torch.randint(0, 3, (1,), generator=gen)),), generator=gen).tolist()
         state.commit(torch.tensor(step), {})
         history += step
+
+
+# --- sample_accept_chain: the exact rule on a chain, every draw made up front on the device --------------------
+
+
+def chain_law(p: torch.Tensor, q: torch.Tensor | None, drafted: list[int]) -> dict[tuple, float]:
+    """The committed tokens' exact law after a chain whose drafts are drawn from ``q[1:]`` level by level (or fixed
+    ``drafted`` point masses when q is None), enumerated from the rule: x_i kept with probability
+    min(1, p_{i-1}(x_i) / q_i(x_i)), the first rejected level's token from norm(max(p - q, 0)) there, a bonus
+    from the last p; point masses: each level's token from p, the path going on while it equals the draft."""
+    import itertools
+
+    n, vocab = p.shape
+    law: dict[tuple, float] = {}
+    drafts = itertools.product(range(vocab), repeat=n - 1) if q is not None else [tuple(drafted)]
+    for xs in drafts:
+        weight = 1.0 if q is None else float(torch.prod(torch.stack([q[i + 1, x] for i, x in enumerate(xs)])))
+        alive = weight
+        for level in range(n):
+            x = xs[level] if level < n - 1 else None
+            if x is None:
+                after = p[level]  # the bonus
+                keep = 0.0
+            elif q is None:
+                keep = float(p[level, x])
+                after = p[level].clone()
+                after[x] = 0.0  # the token drawn where it is not the draft (unnormalised: weights)
+            else:
+                keep = min(1.0, float(p[level, x] / q[level + 1, x]))
+                residual = (p[level] - q[level + 1]).clamp(min=0.0)
+                after = residual / residual.sum() * (1 - keep) if residual.sum() > 1e-6 else p[level] * (1 - keep)
+            for y in range(vocab):
+                if float(after[y]) > 0:
+                    key = tuple(xs[:level]) + (y,)
+                    law[key] = law.get(key, 0.0) + alive * float(after[y])
+            alive *= keep
+    return law
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
+def test_a_chain_accepted_on_the_device_commits_the_targets_law(sampled):
+    """`sample_accept_chain` against the rule's law enumerated over every draft, whose first token is p's own."""
+    from collections import Counter
+
+    from specgraft.infer.verify import sample_accept_chain
+    from specgraft.tools.exactness import fit
+    from specgraft.tree import Sampling
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, drafted = 4, [1, 3, 0]
+    p = torch.softmax(torch.randn(4, vocab, generator=gen) * 1.5, -1)
+    q = torch.cat([torch.zeros(1, vocab), torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)]) if sampled else None
+    law = chain_law(p, q, drafted)
+    assert sum(law.values()) == pytest.approx(1.0)
+    first = [sum(v for k, v in law.items() if k[0] == y) for y in range(vocab)]
+    assert first == pytest.approx(p[0].tolist(), abs=1e-6)  # the first committed token follows the target
+    sampling = Sampling(temperature=1.0).seeded(7)
+    draft_rng = torch.Generator().manual_seed(8)
+    counts = Counter()
+    for _ in range(20000):
+        xs = [int(torch.multinomial(q[i + 1], 1, generator=draft_rng)) for i in range(3)] if sampled else drafted
+        tree = make_tree([-1, 0, 1, 2], [2] + xs)
+        tree = Tree(tree.tokens, tree.parents, tree.depth, tree.scores, q)
+        row = sample_accept_chain(tree, p, sampling, width=6).tolist()
+        count = row[0]
+        assert row[2 : 2 + count] == list(range(count)) and row[8 : 8 + count] == [2] + xs[: count - 1]
+        counts[tuple(xs[: count - 1]) + (row[1],)] += 1
+    result = fit(counts, law)
+    assert result.passed, result
