@@ -35,7 +35,8 @@ import torch
 from specgraft.heads.base import DraftRequest
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
 from specgraft.model.staging import staged
-from specgraft.tree import Chain, Sampling, Tree, TreePolicy, grow_chains, grow_together
+from specgraft.tree import Chain, DynamicTree, Sampling, Tree, TreePolicy, grow_chains, grow_together
+from specgraft.tree.dynamic import grow_dynamic
 
 
 # Commits a state holds as views of their steps' forward outputs before folding them into features: a row that
@@ -71,6 +72,8 @@ class FeatureDrafter:
             round_.run_roots()
             if all(type(r.policy) is Chain for r in requests):  # every level of every row on the device
                 return round_.chains()
+            if FeatureDrafter.rows_dynamic(requests, rows):
+                return round_.dynamic()
             if len(requests) == 1 and not hasattr(requests[0].policy, "levels"):
                 r = requests[0]
                 step = lambda tree, frontier: round_.step([(0, tree, frontier)])[0]  # noqa: E731
@@ -79,6 +82,13 @@ class FeatureDrafter:
             return grow_together(growths, round_.step)
         finally:
             round_.rollback()
+
+
+    @staticmethod
+    def rows_dynamic(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
+        """Whether `FeatureRound.dynamic` grows these requests' trees: one `DynamicTree` for all, in a batched cache."""
+        policy = requests[0].policy
+        return rows is not None and type(policy) is DynamicTree and all(r.policy == policy for r in requests)
 
 
 class FeatureDraftState:
@@ -221,6 +231,73 @@ class FeatureRound:
         for i, (request, tree) in enumerate(zip(self.requests, trees)):
             self.slots[i].update((d, first[request.row] + d - 1) for d in range(1, tree.num_nodes))
         return trees
+
+    def dynamic(self) -> list[Tree]:
+        """Every request's `DynamicTree` after `run_roots` (one policy for all, a batched cache): `grow_dynamic`
+        ranks and keeps nodes on the device and `_dynamic_level` runs each level's frontier, every row's ``top_k``
+        nodes in one forward, nothing read back."""
+        n, policy = len(self.requests), self.requests[0].policy
+        depths = [min(policy.depth, r.max_depth) for r in self.requests]
+        roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
+        state = {"level": 1, "outputs": torch.stack([self.outputs[i][0] for i in range(n)])[:, None], "seen": None}
+        first = self._lengths()
+
+        def step(tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
+            state["level"] += 1
+            out = self._dynamic_level(state, tokens, came_from)
+            return self.head.draft_logp(out).float().log_softmax(-1)  # (R, k, V)
+
+        trees = grow_dynamic(roots, logp, step, policy, depths)
+        for i, (request, depth) in enumerate(zip(self.requests, depths)):  # the slots its levels took (for its peak)
+            self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * policy.top_k))
+        return trees
+
+    def _dynamic_level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
+        """One level of every request's dynamic tree: (R, k) frontier tokens, each with its parent's place in the
+        last frontier (None: the root) -> (R, k, H) their outputs.
+
+        Frontier node j at level l (its depth l - 1 in the tree's nodes run so far) sits at slot
+        base + (l - 2) * k + j, at position length + l - 2, and sees its state's committed pairs and the root
+        (slots [0, length)), the slots of its ancestors among the frontiers run before, and its own."""
+        starts, held, lengths, rows = self.meta
+        b, k = self.batch, tokens.shape[1]
+        level = state["level"]  # the level whose children this forward scores: its frontier is at depth level - 1
+        if level == 2:
+            self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
+        parent_out = state["outputs"]  # (R, k or 1, H) the last frontier's outputs (the root's at first)
+        if came_from is None:
+            features = parent_out.expand(-1, k, -1)
+            seen = torch.zeros(len(self.requests), k, 0, dtype=torch.bool, device=tokens.device)
+        else:  # each node sees what its parent saw, and its parent
+            features = parent_out.gather(1, came_from[:, :, None].expand(-1, -1, parent_out.shape[-1]))
+            seen = torch.cat([state["seen"].gather(1, came_from[:, :, None].expand(-1, -1, state["seen"].shape[-1])),
+                              torch.nn.functional.one_hot(came_from, k).bool()], dim=2)
+        state["seen"] = seen  # (R, k, (level - 2) * k) over the tree slots run before
+        own = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(self.requests), -1, -1)
+        tree_seen = torch.cat([seen, own], dim=2)  # (R, k, (level - 1) * k): tree slots from base on
+        in_order = [r.row for r in self.requests] == list(range(b))
+        if not in_order:  # rows of the pool that draft nothing now pad: they see their own slot, outputs dropped
+            pad = torch.zeros(b, k, dtype=torch.bool, device=tokens.device)
+            pad = pad[:, :, None].expand(-1, -1, tree_seen.shape[2]).clone()
+            tree_seen = pad.index_copy(0, rows, tree_seen)
+            features = features.new_zeros(b, k, features.shape[-1]).index_copy(0, rows, features)
+            tokens = tokens.new_zeros(b, k).index_copy(0, rows, tokens)
+        slot = self._base + (level - 2) * k * held  # (B,) each row's first new slot: its length now
+        width = max(self._lengths()) + k
+        columns = torch.arange(width, device=tokens.device)
+        offset = columns[None] - self._base[:, None]  # (B, W) each column's place among the tree slots
+        inside = (offset >= 0) & (offset < tree_seen.shape[2])
+        tree_part = tree_seen.gather(2, offset.clamp(0, tree_seen.shape[2] - 1)[:, None].expand(-1, k, -1))
+        own_slot = columns[None, None] == (slot[:, None] + torch.arange(k, device=tokens.device))[:, :, None]
+        visible = (columns[None, None] < lengths[:, None, None]) | (tree_part & inside[:, None]) | own_slot
+        mask = torch.zeros(b, 1, k, width, dtype=features.dtype, device=tokens.device)
+        mask = mask.masked_fill(~visible[:, None], torch.finfo(features.dtype).min)
+        positions = (lengths + level - 2)[:, None].expand(-1, k)
+        self.cache.stage_starts(slot)
+        out = self.head.draft_step(features, tokens, positions, mask, self.cache)  # (B, k, H)
+        out = out if in_order else out.index_select(0, rows)
+        state["outputs"] = out
+        return out
 
     def _chain_level(self, level: int, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Level ``level`` of every request's chain: (R, H) its parents' outputs, (R,) its tokens -> (R, H) outputs.

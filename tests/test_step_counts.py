@@ -87,6 +87,24 @@ def test_plain_decoding_syncs_at_most_twice_a_step(stories, options):
 CHAIN_SYNCS = 4
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
+def test_eagle_dynamic_trees_and_chains_sync_at_most_four_times_a_step(stories, trained_eagle, tree):
+    """EAGLE-2's dynamic tree grows, ranks and is cut on the device for every row (`grow_dynamic`) and is accepted
+    there with the chains (`greedy_accept_packed`)."""
+    import specgraft as sg
+
+    drafter = sg.load_drafter(trained_eagle, stories)
+    for batch in (1, 16):
+        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=batch)
+        for k in range(batch):
+            scheduler.submit(f"Once upon a time {k}", max_new_tokens=5 * STEPS + 8, drafter="eagle",
+                             tree=sg.parse_tree_spec(tree), eos_token_id=())
+        scheduler.step()
+        scheduler.step()
+        counts = count_steps(scheduler.step, STEPS)
+        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+
+
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
 def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, options):
     """The whole draft of every row (all levels) runs on the device, and so does acceptance, greedy or exact

@@ -12,7 +12,7 @@ Children are chosen top-k (point masses when sampling), as in EAGLE-2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,6 +53,75 @@ class DynamicTree(Levelled):
             best = scores.flatten().topk(min(self.top_k, children.numel())).indices
             frontier = children[best]
         return rerank(builder.tree(), self.budget)
+
+
+# A batched drafter's step for dynamic trees: (R, k) the frontier's tokens and (R, k) each one's parent's place in the
+# last frontier (None: the root's children) -> (R, k, V) log-probs of their children.
+DynamicStepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def grow_dynamic(
+    roots: torch.Tensor, logp: torch.Tensor, step: DynamicStepFn, policy: DynamicTree, depths: Sequence[int]
+) -> list[Tree]:
+    """Every row's `DynamicTree` at once, on the device: the same trees as its ``levels`` alone, nothing read back.
+
+    Each level expands every row's ``top_k`` frontier nodes in one ``step`` (one drafter forward for all rows),
+    keeps each row's best ``top_k`` children as its next frontier, and after the last level every row keeps its
+    ``budget`` best nodes (a stable sort by score: nodes are stored level by level, so a parent, never scored below
+    its child, is ranked first on ties, as `rerank`). A row whose tree is shallower than the deepest runs the
+    levels below it as padding, never kept. Rows' trees are views of batched tensors; their structure is not read
+    back (`Tree.is_chain` is False: a tree verified with its mask, exact for any shape).
+
+    Args:
+        roots: (R,) root tokens. logp: (R, V) the drafter's log-probs after each root.
+        depths: each row's depth (its policy's, cut to what it may draft).
+    """
+    k, rows, deepest, device = policy.top_k, len(depths), max(depths), logp.device
+    score, token = logp.topk(k, dim=-1)  # (R, k) the root's children: the first frontier, best first
+    tokens, parents, scores, depth = [roots[:, None], token], [torch.full((rows, 1), ROOT_PARENT, device=device)], [
+        torch.zeros(rows, 1, device=device), score.float()], [torch.zeros(rows, 1, dtype=torch.long, device=device)]
+    parents.append(torch.zeros(rows, k, dtype=torch.long, device=device))
+    depth.append(torch.ones(rows, k, dtype=torch.long, device=device))
+    frontier, frontier_score, frontier_token = torch.arange(1, k + 1, device=device).expand(rows, k), score.float(), token
+    came_from, count = None, 1 + k  # each frontier node's place in the last frontier; nodes so far
+    depth_at = torch.tensor(list(depths), device=device) if len(set(depths)) > 1 else None  # rows' own depths
+    for level in range(2, deepest + 1):
+        top, child = step(frontier_token, came_from).topk(k, dim=-1)  # (R, k, k): each frontier node's children
+        child_score = (frontier_score[:, :, None] + top.float()).flatten(1)  # (R, k * k) cumulative
+        if depth_at is not None:  # a row's levels below its depth: padding, ranked last and never kept
+            child_score = child_score.masked_fill((depth_at < level)[:, None], -torch.inf)
+        tokens.append(child.flatten(1))
+        parents.append(frontier.repeat_interleave(k, dim=1))
+        scores.append(child_score)
+        depth.append(torch.full((rows, k * k), level, device=device))
+        best = child_score.topk(k, dim=-1).indices  # (R, k)
+        frontier, came_from = count + best, best // k
+        frontier_score, frontier_token = child_score.gather(1, best), child.flatten(1).gather(1, best)
+        count += k * k
+    tokens, parents, scores, depth = (torch.cat(x, dim=1) for x in (tokens, parents, scores, depth))  # (R, N)
+    sizes = [1 + min(policy.budget, k + (d - 1) * k * k) for d in depths]  # each row's kept nodes, root included
+    if max(sizes) < count:  # the budget cuts: each row's best nodes, then in storage order (parents first)
+        order = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, : max(sizes) - 1] + 1
+        keep = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), order], dim=1).sort(dim=1).values
+        index = torch.full((rows, count), ROOT_PARENT, device=device).scatter_(
+            1, keep, torch.arange(max(sizes), device=device).expand(rows, -1))
+        kept_parents = parents.gather(1, keep)
+        parents = torch.where(kept_parents < 0, ROOT_PARENT, index.gather(1, kept_parents.clamp(min=0)))
+        tokens, scores, depth = tokens.gather(1, keep), scores.gather(1, keep), depth.gather(1, keep)
+    width = parents.shape[1]
+    hops = torch.where(parents < 0, torch.arange(width, device=device), parents)  # a root points at itself
+    walk = [torch.arange(width, device=device).expand(rows, -1)]
+    for _ in range(deepest):
+        walk.append(hops.gather(1, walk[-1]))
+    ancestors = torch.zeros(rows, width, width, dtype=torch.bool, device=device)
+    ancestors.scatter_(2, torch.stack(walk, dim=2), True)  # (R, N, N): each node's own column and its ancestors'
+    trees = []
+    for r, n in enumerate(sizes):
+        tree = object.__new__(Tree)
+        tree.__dict__.update(tokens=tokens[r, :n], parents=parents[r, :n], depth=depth[r, :n], scores=scores[r, :n],
+                             q=None, without_replacement=False, ancestors=ancestors[r, :n, :n], is_chain=False)
+        trees.append(tree)
+    return trees
 
 
 def rerank(tree: Tree, budget: int) -> Tree:
