@@ -33,7 +33,7 @@ class PromptIds:
 Prompt = str | Sequence[int] | torch.Tensor | PromptIds
 
 
-@dataclass
+@dataclass(eq=False)  # one generation: compared by identity (its fields' == would compare tensors and states)
 class Request:
     """One submitted generation: what it asked for, then (from admission on) its state.
 

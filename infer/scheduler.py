@@ -580,7 +580,8 @@ class Scheduler:
         on the device too, for its next root-only tree (see `Tree.root_only`). The other rows accept in their own
         commits; so do all, if this fails."""
         greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
-        roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r not in greedy]
+        wanted = {r.handle for r in greedy}  # (handles: a Request's == compares every field)
+        roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r.handle not in wanted]
         chains = [r for r in rows if not r.sampling.greedy and r.acceptance is sample_accept
                   and trees[r.handle].num_nodes > 1 and trees[r.handle].is_chain]
         if not greedy and not roots and not chains:
@@ -608,7 +609,7 @@ class Scheduler:
         except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
         chosen, at = {}, 0
-        wanted = {r.handle for r in greedy + chains}
+        wanted.update(r.handle for r in chains)
         for part, handles, width in parts:
             size = 2 + 2 * width if width else 1
             for k, handle in enumerate(handles):
