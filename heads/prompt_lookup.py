@@ -8,9 +8,14 @@ continue identically share nodes, so several matches form a trie.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+from specgraft.heads.base import DraftRequest
+from specgraft.model.staging import staged
 from specgraft.tree import ROOT_PARENT, Sampling, Tree, TreePolicy
+from specgraft.tree.tree import ANCESTOR_BITS
 
 
 class PromptLookup:
@@ -33,8 +38,22 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_tokens, self.max_matches = num_tokens, max_matches
 
-    def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> PromptLookupState:
+    def start(
+        self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: None = None
+    ) -> PromptLookupState:
         return PromptLookupState(self, prompt_ids)
+
+    def new_rows(self, rows: int, max_len: int) -> None:
+        return None  # no draft cache: a state is its history
+
+    def propose_batch(self, requests: Sequence[DraftRequest], rows: None = None) -> list[Tree]:
+        """Every request's trie, searched on the host and copied to the device in one staged copy (a tensor a
+        trie would be a blocking copy each)."""
+        tries = [r.state.branches(r.root_token, r.max_depth) for r in requests]
+        structures = [_trie_lists(r.root_token, branches) for r, branches in zip(requests, tries)]
+        flat = staged(requests[0].state.device, *(values for structure in structures for values in structure))
+        return [Tree.from_host(*flat[4 * k : 4 * k + 4], parent_list=parents, depth_list=depth)
+                for k, (_, parents, depth, _) in enumerate(structures)]
 
 
 class PromptLookupState:
@@ -48,6 +67,7 @@ class PromptLookupState:
 
     def __init__(self, lookup: PromptLookup, prompt_ids: torch.Tensor) -> None:
         self.lookup = lookup
+        self.device = prompt_ids.device  # the engine's: where its tries go
         self._history: list[int] = []
         # n-gram -> ends (index after its last token) of its occurrences in the history, oldest first.
         self.ends: dict[tuple[int, ...], list[int]] = {}
@@ -63,12 +83,17 @@ class PromptLookupState:
     def commit(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], path: torch.Tensor | None = None) -> None:
         self.pending.append(tokens)
 
+    def commit_listed(self, tokens: list[int]) -> None:
+        """`commit` of tokens the engine has on the host already (it read the step's choices back): the history
+        is the host's, so nothing is read from the device for it."""
+        self.pending.append(tokens)
+
     def cache_tokens(self) -> int:
         return 0
 
     def _fold(self) -> None:
         if self.pending:
-            tokens = torch.cat([t.detach().flatten() for t in self.pending]).tolist()
+            tokens = [x for t in self.pending for x in (t if isinstance(t, list) else t.detach().flatten().tolist())]
             self.pending = []
             self._extend(tokens)
 
@@ -88,10 +113,13 @@ class PromptLookupState:
         ``policy`` and ``sampling`` are not used: copied tokens are point masses,
         which exact verification accepts at any temperature.
         """
+        return _trie(root_token, self.branches(root_token, max_depth))
+
+    def branches(self, root_token: int, max_depth: int) -> list[list[int]]:
+        """The continuations `propose` merges into its trie (none where it may not draft or nothing matches)."""
         self._fold()
         depth = min(self.lookup.num_tokens, max_depth)
-        branches = self._continuations(root_token, depth) if depth > 0 else []
-        return _trie(root_token, branches)
+        return self._continuations(root_token, depth) if depth > 0 else []
 
     def _continuations(self, root_token: int, depth: int) -> list[list[int]]:
         """What followed the most recent earlier occurrences of the longest recurring suffix of history + root."""
@@ -116,7 +144,15 @@ def _trie(root_token: int, branches: list[list[int]]) -> Tree:
     """Merge token lists that share prefixes into one tree under the root."""
     if not branches:
         return Tree.root_only(root_token)
-    tokens, parents, depth = [root_token], [ROOT_PARENT], [0]
+    tokens, parents, depth, bits = _trie_lists(root_token, branches)
+    tensors = torch.tensor([tokens, parents, depth, bits]).unbind()  # one tensor made, not four
+    return Tree.from_host(*tensors, parent_list=parents, depth_list=depth)
+
+
+def _trie_lists(root_token: int, branches: list[list[int]]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(tokens, parents, depth, ancestor bits) of the trie merging ``branches`` under the root (the root alone
+    where none); node i's ancestors (itself included) are the set bits of ``bits[i]`` (see `Tree.from_host`)."""
+    tokens, parents, depth, bits = [root_token], [ROOT_PARENT], [0], [1]
     child: dict[tuple[int, int], int] = {}
     for branch in branches:
         node = 0
@@ -124,9 +160,11 @@ def _trie(root_token: int, branches: list[list[int]]) -> Tree:
             key = (node, token)
             if key not in child:
                 child[key] = len(tokens)
+                bits.append(bits[node] | 1 << len(tokens))
                 tokens.append(token)
                 parents.append(node)
                 depth.append(depth[node] + 1)
             node = child[key]
-    tokens_, parents_, depth_ = torch.tensor([tokens, parents, depth])  # one tensor made, not three
-    return Tree(tokens=tokens_, parents=parents_, depth=depth_, scores=torch.zeros(len(tokens)))
+    if len(tokens) > ANCESTOR_BITS:  # too many nodes for an int's bits: the tree derives its ancestors itself
+        bits = [0] * len(tokens)
+    return tokens, parents, depth, bits

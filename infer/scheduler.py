@@ -654,6 +654,7 @@ class Scheduler:
             path = accepted.path
         whole = tree.is_chain and count == tree.num_nodes  # every node (a root alone): no views to take
         tokens = tree.tokens if whole else tree.tokens[path]
+        committed = chosen.committed if chosen is not None else tokens[1:].tolist() + [accepted.next_token]
         if request.draft is not None:
             if whole and not request.drafted:  # the root alone, its drafter's state not needed before it drafts
                 if hidden is not self._held_last:  # the first row of this forward to keep its root (see `_hold`)
@@ -664,15 +665,18 @@ class Scheduler:
                 request.deferred_roots.append(request.root)
             else:
                 self._give_deferred(request)
-                states = _row_states(hidden, request.hidden_layers, start, tree.num_nodes)
-                request.draft.commit(tokens, states if whole else {i: h[path] for i, h in states.items()},
-                                     accepted.path if request.drafted else None)
+                on_host = getattr(request.draft, "commit_listed", None)  # a drafter whose state lives on the host
+                if on_host is not None:
+                    on_host([request.root, *committed[:-1]])  # the path's tokens, read back with the step's choices
+                else:
+                    states = _row_states(hidden, request.hidden_layers, start, tree.num_nodes)
+                    request.draft.commit(tokens, states if whole else {i: h[path] for i, h in states.items()},
+                                         accepted.path if request.drafted else None)
                 request.draft_kv = request.draft.cache_tokens()
             request.behind += count
         request.root = accepted.next_token
         if self.controller is not None and tree.num_nodes > 1:
             self.controller.observe_step(request.handle, request.drafter, tree, accepted.path)
-        committed = chosen.committed if chosen is not None else tokens[1:].tolist() + [accepted.next_token]
         self.counters.observe(tree.num_draft_tokens, len(committed) - 1)
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
@@ -728,12 +732,17 @@ class Scheduler:
         rows, request.deferred = request.deferred, []
         roots, request.deferred_roots = request.deferred_roots, []
         if rows:
-            held, at = self._held_states(), torch.tensor(rows, device=self.target.device)
-            states = {i: held[i][at] for i in request.hidden_layers}
+            on_host = getattr(request.draft, "commit_listed", None)  # (see `_commit`)
+            if on_host is None:
+                held, at = self._held_states(), torch.tensor(rows, device=self.target.device)
+                states = {i: held[i][at] for i in request.hidden_layers}
             self._holding -= 1
             if not self._holding:
                 self._let_go_held()
-            request.draft.commit(torch.tensor(roots, device=self.target.device), states)
+            if on_host is not None:
+                on_host(roots)
+            else:
+                request.draft.commit(torch.tensor(roots, device=self.target.device), states)
             request.draft_kv = request.draft.cache_tokens()
         return True
 

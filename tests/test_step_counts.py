@@ -198,6 +198,22 @@ def test_chains_drafted_together_in_rows_out_of_order_decode_as_each_alone(stori
         assert together[k] == out, f"request {k} ({options})"
 
 
+def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):
+    """Lookup searches its history on the host, fed the step's tokens as read back, and stages every row's trie in
+    one copy."""
+    import specgraft as sg
+
+    for batch in (1, 16):
+        scheduler = Scheduler(stories, {"lookup": sg.PromptLookup()}, max_batch_size=batch)
+        for k in range(batch):
+            scheduler.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=4 * STEPS + 8,
+                             drafter="lookup", tree=sg.Chain(4), eos_token_id=())
+        scheduler.step()
+        scheduler.step()
+        counts = count_steps(scheduler.step, STEPS)
+        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+
+
 @pytest.mark.parametrize("kind", ["medusa", "dflash"])
 def test_depth_drafters_chains_sync_at_most_four_times_a_step(stories, kind):
     """Medusa's heads and DFlash's block draft every depth at once; their chains are picked on the device for all

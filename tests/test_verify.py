@@ -278,6 +278,28 @@ def test_continuation_stops_at_the_end_of_the_history():
     assert tree.tokens.tolist() == [5, 1, 5]
 
 
+def test_tries_proposed_together_equal_each_proposed_alone_with_their_ancestors():
+    """`propose_batch` stages every row's trie in one copy: each equals the row's own `propose`, ancestors too;
+    commits given as host lists (as the engine reads them back) extend the history as tensors do."""
+    from specgraft.heads.base import DraftRequest
+
+    lookup = PromptLookup(max_matches=3)
+    histories = [[5, 6, 7, 5, 6, 8, 5, 6, 9, 5], [5, 1, 5, 2, 5, 3, 7], [9, 9, 9]]
+    together, alone = ([lookup.start(torch.tensor(h), {}) for h in histories] for _ in range(2))
+    for listed, tensor in zip(together, alone):
+        listed.commit_listed([6, 7])
+        tensor.commit(torch.tensor([6, 7]), {})
+    requests = [DraftRequest(state, 5, None, 4) for state in together]
+    trees = lookup.propose_batch(requests)
+    assert not trees[1].is_chain and trees[2].num_nodes == 1  # a branching trie and a root alone among them
+    for tree, state in zip(trees, alone):
+        expected = state.propose(5, None, 4)
+        assert tree.tokens.tolist() == expected.tokens.tolist() and tree.parent_list == expected.parent_list
+        assert tree.depth.tolist() == expected.depth.tolist() == tree.depth_list
+        assert torch.equal(tree.ancestor_mask(), make_tree(expected.parent_list, expected.tokens.tolist()).ancestor_mask())
+    assert [s.history for s in together] == [s.history for s in alone]
+
+
 def test_commit_extends_the_history_searched():
     drafter = lookup([1, 2], max_ngram=1, num_tokens=1)
     assert drafter.propose(3, None, max_depth=4).num_nodes == 1

@@ -89,6 +89,27 @@ class Tree:
         return _known(cls, tokens, parents, depth, scores, ancestors, q=q, parent_list=list(range(-1, n - 1)),
                       depth_list=list(range(n)))
 
+    @classmethod
+    def from_host(
+        cls, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, ancestor_bits: torch.Tensor, *,
+        parent_list: list[int], depth_list: list[int],
+    ) -> Tree:
+        """A tree built on the host (a prompt-lookup trie), its tensors copied already with its ancestors as one
+        int each (bit j of node i: j is i or one of its ancestors; all 0 past `ANCESTOR_BITS` nodes, derived then),
+        its structure's lists kept: the structure is checked on the host, nothing is read back for it."""
+        n = len(parent_list)
+        ancestors = None
+        if n <= ANCESTOR_BITS:
+            ancestors = (ancestor_bits[:, None] >> torch.arange(n, device=tokens.device)) & 1 == 1
+        tree = cls.__new__(cls)
+        tree.__dict__.update(tokens=tokens, parents=parents, depth=depth, q=None, without_replacement=False,
+                             ancestors=None, scores=torch.zeros(n, device=tokens.device),
+                             parent_list=parent_list, depth_list=depth_list)
+        tree.__post_init__()  # checks the lists: parents first, one root
+        if ancestors is not None:
+            tree.__dict__["_derived_ancestors"] = ancestors
+        return tree
+
     def to(self, device: torch.device | str) -> Tree:
         if self.tokens.device == torch.device(device):
             return self

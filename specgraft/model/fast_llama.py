@@ -227,7 +227,7 @@ def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
 def _visible(segment: Segment, start: int, size: int, width: int, device: torch.device) -> torch.Tensor:
     """(size, width) bool: what each of a row's new tokens sees of slots [0, width): its cached slots and its tree."""
     visible = torch.zeros(size, width, dtype=torch.bool, device=device)
-    visible[:, :start] = True
+    visible[:, :start].fill_(True)  # (fill_: setting True by index would copy the Python bool to the device)
     visible[:, start : start + size] = _tree(segment, device)
     return visible
 
