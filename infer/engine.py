@@ -141,8 +141,9 @@ class Engine:
         layers, _, rows, heads, slots, dim = sched.pool.kv.shape
         line = (f"KV pool: {rows} rows x {slots} slots ({sched.max_len} tokens + one tree) x {layers} layers x "
                 f"{heads} kv heads x {dim} dims, {sched.pool.kv.dtype}: {sched.pool_bytes / 2**20:,.1f} MiB")
-        if sched.draft_pools:
-            line += f"; draft pools ({', '.join(sched.draft_pools)}): {sched.draft_pool_bytes / 2**20:,.1f} MiB"
+        pooled = [name for name, pool in sched.draft_pools.items() if pool is not None]  # (Medusa, lookup: none)
+        if pooled:
+            line += f"; draft pools ({', '.join(pooled)}): {sched.draft_pool_bytes / 2**20:,.1f} MiB"
         return line
 
     # ------------------------------------------------------------------ HTTP side (any thread)

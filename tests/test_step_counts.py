@@ -62,14 +62,43 @@ def test_sync_sites_name_the_project_line_and_the_patches_are_undone():
     assert any(site.startswith("nonzero @ tree/tree.py:") for site in counter.counts.sites), counter.counts.where()
 
 
-def steady(target, batch: int, **options) -> Scheduler:
+def steady(target, batch: int, drafters: dict | None = None, prompt: str = "Once upon a time", **options) -> Scheduler:
     """A scheduler whose ``batch`` rows are all admitted and decoding (their prefills are behind)."""
-    scheduler = Scheduler(target, max_batch_size=batch)
+    scheduler = Scheduler(target, drafters, max_batch_size=batch)
     for k in range(batch):
-        scheduler.submit(f"Once upon a time {k}", max_new_tokens=STEPS + 8, eos_token_id=(), **options)
+        scheduler.submit(f"{prompt} {k}", max_new_tokens=5 * STEPS + 8, eos_token_id=(), **options)
     scheduler.step()
     scheduler.step()
     return scheduler
+
+
+def assert_syncs(target, budget: int, drafters: dict | None = None, **options) -> None:
+    """At batch 1 and 16 a decoding step syncs at most ``budget`` times (the failure names where it synced)."""
+    for batch in (1, 16):
+        counts = count_steps(steady(target, batch, drafters, **options).step, STEPS)
+        assert counts.syncs_per_step <= budget, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+
+
+def decoded(target, drafters: dict, requests: list[dict], rows: int, prompts: list[str]) -> list[list[int]]:
+    """Each request's tokens, the requests (``prompts[k]`` each) run through ``rows`` rows together."""
+    import specgraft as sg
+
+    scheduler = Scheduler(target, drafters, max_batch_size=rows)
+    handles = [scheduler.submit(prompt, eos_token_id=(), **options) for prompt, options in zip(prompts, requests)]
+    tokens = {h: [] for h in handles}
+    while not scheduler.idle:
+        for event in scheduler.step():
+            if isinstance(event, sg.Tokens):
+                tokens[event.handle] += event.token_ids
+    return [tokens[h] for h in handles]
+
+
+def assert_each_as_alone(target, drafters: dict, requests: list[dict], rows: int, prompt: str) -> None:
+    """Run together through ``rows`` rows, each request's tokens equal its run alone."""
+    prompts = [f"{prompt} {k}" for k in range(len(requests))]
+    together = decoded(target, drafters, requests, rows, prompts)
+    for k, options in enumerate(requests):
+        assert together[k] == decoded(target, drafters, [options], 1, prompts[k : k + 1])[0], f"request {k} ({options})"
 
 
 @pytest.mark.parametrize("options", [
@@ -78,9 +107,7 @@ def steady(target, batch: int, **options) -> Scheduler:
     {"banned_token_ids": (5, 9)},
 ], ids=["greedy", "sampled", "banned"])
 def test_plain_decoding_syncs_at_most_twice_a_step(stories, options):
-    for batch in (1, 16):
-        counts = count_steps(steady(stories, batch, **options).step, STEPS)
-        assert counts.syncs_per_step <= PLAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+    assert_syncs(stories, PLAIN_SYNCS, **options)
 
 
 # A batched drafter's chain step: the round's metadata staged once, the target forward's once, the choices read once.
@@ -93,16 +120,8 @@ def test_eagle_dynamic_trees_and_chains_sync_at_most_four_times_a_step(stories, 
     there with the chains (`greedy_accept_packed`)."""
     import specgraft as sg
 
-    drafter = sg.load_drafter(trained_eagle, stories)
-    for batch in (1, 16):
-        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=batch)
-        for k in range(batch):
-            scheduler.submit(f"Once upon a time {k}", max_new_tokens=5 * STEPS + 8, drafter="eagle",
-                             tree=sg.parse_tree_spec(tree), eos_token_id=())
-        scheduler.step()
-        scheduler.step()
-        counts = count_steps(scheduler.step, STEPS)
-        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+    drafters = {"eagle": sg.load_drafter(trained_eagle, stories)}
+    assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.parse_tree_spec(tree))
 
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
@@ -111,16 +130,8 @@ def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, opt
     sampling (`sample_accept_chain`); only the rows' paths and next tokens come back."""
     import specgraft as sg
 
-    drafter = sg.load_drafter(trained_eagle, stories)
-    for batch in (1, 16):
-        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=batch)
-        for k in range(batch):
-            scheduler.submit(f"Once upon a time {k}", max_new_tokens=4 * STEPS + 8, drafter="eagle", tree=sg.Chain(4),
-                             eos_token_id=(), seed=k, **options)
-        scheduler.step()
-        scheduler.step()
-        counts = count_steps(scheduler.step, STEPS)
-        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+    drafters = {"eagle": sg.load_drafter(trained_eagle, stories)}
+    assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.Chain(4), seed=3, **options)
 
 
 def test_plain_decoding_kernels_do_not_grow_with_the_batch(stories):
@@ -142,26 +153,8 @@ def test_plain_rows_beside_tree_rows_decode_as_each_alone(stories, trained_eagle
         dict(drafter="none"), dict(drafter="eagle", tree=sg.Chain(3)), dict(drafter="none", temperature=0.8, seed=3),
         dict(drafter="none", banned_token_ids=(11,)), dict(drafter="eagle", tree=sg.Chain(2), temperature=0.9, seed=4),
     ]
-
-    def run(batch: list[dict]) -> list[list[int]]:
-        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=len(batch))
-        handles = [scheduler.submit(f"Tom had a red ball {k}", max_new_tokens=24, eos_token_id=(), **options)
-                   for k, options in enumerate(batch)]
-        tokens = {h: [] for h in handles}
-        while not scheduler.idle:
-            for event in scheduler.step():
-                if isinstance(event, sg.Tokens):
-                    tokens[event.handle] += event.token_ids
-        return [tokens[h] for h in handles]
-
-    together = run(requests)
-    for k, options in enumerate(requests):
-        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=1)
-        alone = scheduler.submit(f"Tom had a red ball {k}", max_new_tokens=24, eos_token_id=(), **options)
-        out = []
-        while not scheduler.idle:
-            out += [t for e in scheduler.step() if isinstance(e, sg.Tokens) and e.handle == alone for t in e.token_ids]
-        assert together[k] == out, f"request {k} ({options})"
+    assert_each_as_alone(stories, {"eagle": drafter}, [{**r, "max_new_tokens": 24} for r in requests], len(requests),
+                         "Tom had a red ball")
 
 
 def test_chains_drafted_together_in_rows_out_of_order_decode_as_each_alone(stories, trained_eagle):
@@ -176,26 +169,7 @@ def test_chains_drafted_together_in_rows_out_of_order_decode_as_each_alone(stori
         dict(max_new_tokens=12, tree=sg.Chain(3), temperature=0.8, seed=5), dict(max_new_tokens=20, tree=sg.Chain(1)),
         dict(max_new_tokens=9, tree=sg.Chain(3), temperature=1.0, seed=6, top_k=8),
     ]
-
-    def run(batch: list[dict], rows: int) -> list[list[int]]:
-        scheduler = Scheduler(stories, {"eagle": drafter}, max_batch_size=rows)
-        handles = [scheduler.submit(f"One day {k}", drafter="eagle", eos_token_id=(), **options)
-                   for k, options in enumerate(batch)]
-        tokens = {h: [] for h in handles}
-        while not scheduler.idle:
-            for event in scheduler.step():
-                if isinstance(event, sg.Tokens):
-                    tokens[event.handle] += event.token_ids
-        return [tokens[h] for h in handles]
-
-    together = run(requests, 3)
-    for k, options in enumerate(requests):
-        alone = Scheduler(stories, {"eagle": drafter}, max_batch_size=1)
-        handle = alone.submit(f"One day {k}", drafter="eagle", eos_token_id=(), **options)
-        out = []
-        while not alone.idle:
-            out += [t for e in alone.step() if isinstance(e, sg.Tokens) and e.handle == handle for t in e.token_ids]
-        assert together[k] == out, f"request {k} ({options})"
+    assert_each_as_alone(stories, {"eagle": drafter}, [{**r, "drafter": "eagle"} for r in requests], 3, "One day")
 
 
 def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):
@@ -203,15 +177,8 @@ def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):
     one copy."""
     import specgraft as sg
 
-    for batch in (1, 16):
-        scheduler = Scheduler(stories, {"lookup": sg.PromptLookup()}, max_batch_size=batch)
-        for k in range(batch):
-            scheduler.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=4 * STEPS + 8,
-                             drafter="lookup", tree=sg.Chain(4), eos_token_id=())
-        scheduler.step()
-        scheduler.step()
-        counts = count_steps(scheduler.step, STEPS)
-        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+    assert_syncs(stories, CHAIN_SYNCS, {"lookup": sg.PromptLookup()}, prompt="Once upon a time the cat sat on the mat",
+                 drafter="lookup", tree=sg.Chain(4))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "dflash"])
@@ -225,12 +192,4 @@ def test_depth_drafters_chains_sync_at_most_four_times_a_step(stories, kind):
     torch.manual_seed(0)
     config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
     drafter = as_drafter(build_head(config, stories).eval(), stories)
-    for batch in (1, 16):
-        scheduler = Scheduler(stories, {kind: drafter}, max_batch_size=batch)
-        for k in range(batch):
-            scheduler.submit(f"Once upon a time {k}", max_new_tokens=3 * STEPS + 8, drafter=kind, tree=sg.Chain(3),
-                             eos_token_id=())
-        scheduler.step()
-        scheduler.step()
-        counts = count_steps(scheduler.step, STEPS)
-        assert counts.syncs_per_step <= CHAIN_SYNCS, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
+    assert_syncs(stories, CHAIN_SYNCS, {kind: drafter}, drafter=kind, tree=sg.Chain(3))

@@ -122,6 +122,10 @@ class SlowCommitState:
         time.sleep(self.seconds)
         self.state.commit(tokens, hidden, path)
 
+    def commit_listed(self, tokens) -> None:  # how the engine commits to a host-side state (prompt lookup's)
+        time.sleep(self.seconds)
+        self.state.commit_listed(tokens)
+
 
 def test_step_overhead_measures_the_engine_work_beyond_forward_and_draft(stories, dev_prompts):
     prompt = stories.encode(dev_prompts[0])
