@@ -98,16 +98,13 @@ class Tree:
         int each (bit j of node i: j is i or one of its ancestors; all 0 past `ANCESTOR_BITS` nodes, derived then),
         its structure's lists kept: the structure is checked on the host, nothing is read back for it."""
         n = len(parent_list)
-        ancestors = None
-        if n <= ANCESTOR_BITS:
-            ancestors = (ancestor_bits[:, None] >> torch.arange(n, device=tokens.device)) & 1 == 1
         tree = cls.__new__(cls)
         tree.__dict__.update(tokens=tokens, parents=parents, depth=depth, q=None, without_replacement=False,
                              ancestors=None, scores=torch.zeros(n, device=tokens.device),
                              parent_list=parent_list, depth_list=depth_list)
         tree.__post_init__()  # checks the lists: parents first, one root
-        if ancestors is not None:
-            tree.__dict__["_derived_ancestors"] = ancestors
+        if n <= ANCESTOR_BITS:
+            tree.__dict__["_ancestor_bits"] = ancestor_bits  # read only where a mask is needed (not for a chain)
         return tree
 
     def to(self, device: torch.device | str) -> Tree:
@@ -157,6 +154,9 @@ class Tree:
     def _derived_ancestors(self) -> torch.Tensor:
         parents, device = self.parent_list, self.tokens.device
         n = len(parents)
+        bits = self.__dict__.get("_ancestor_bits")  # staged with the tree (see `from_host`)
+        if bits is not None:
+            return (bits[:, None] >> torch.arange(n, device=device)) & 1 == 1
         if n <= ANCESTOR_BITS:  # each node's ancestors as the bits of one int, read off its parent's: one tensor op
             bits = [0] * n
             for i, p in enumerate(parents):
