@@ -47,7 +47,7 @@ from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, To
 from specgraft.infer.goodput import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
-    Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, root_path, sample_accept,
+    Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import Adaptive, Chain, Sampling, Tree, TreePolicy, tree_attention_mask, tree_position_ids
@@ -801,9 +801,11 @@ def _greedy_part(
     """Greedy acceptance of ``trees`` (packed one after another, ``tokens`` and the target's ``choice`` (N,) at
     each node) as `Scheduler._choose_together` reads it: (result, handles, width); roots alone need only their
     choices (width 0), trees `greedy_accept_packed`'s rows."""
-    width = max(t.num_nodes for t in trees)
+    width = 1 + max(t.depth_bound for t in trees)  # a path's most nodes: the walks and passes go no deeper
     if width == 1:
         return choice, handles, 0
+    if len(trees) == 1:
+        return greedy_accept_tree(trees[0], choice, width), handles, width
     parents, depth = (torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])) if len(trees) > 1 else (
         trees[0].parents, trees[0].depth)
     return greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width

@@ -104,6 +104,31 @@ def greedy_accept_packed(
     return torch.cat([(kept + 1)[:, None], choice[best][:, None], path - start[:, None], tokens[path]], dim=1)
 
 
+def greedy_accept_tree(tree: Tree, choice: torch.Tensor, width: int) -> torch.Tensor:
+    """`greedy_accept_packed` for one tree, in fewer launches (a lone row's step pays each on a small model): a chain
+    keeps its first nodes while they match; a tree reads its ancestor mask.
+
+    Returns:
+        (2 + 2 * width,) int64, a row of `greedy_accept_packed`'s result.
+    """
+    n, tokens = tree.num_nodes, tree.tokens
+    index = torch.arange(width, device=tokens.device)
+    if tree.is_chain:
+        kept = (tokens[1:] == choice[:-1]).long().cumprod(0).sum()  # matching drafts before the first miss
+        path = torch.minimum(index, kept)
+    else:
+        match = torch.cat([torch.ones(1, dtype=torch.bool, device=tokens.device), tokens[1:] == choice[tree.parents[1:]]])
+        ancestors = tree.ancestor_mask()
+        alive = ~(ancestors & ~match).any(dim=1)  # every node on its path matches
+        nodes = torch.arange(n, device=tokens.device)
+        best = torch.where(alive, tree.depth * n + (n - 1 - nodes), -1).argmax()  # deepest, first among equals
+        kept = tree.depth[best]
+        on_path = torch.where(ancestors[best], nodes, n).sort().values  # the path's nodes first, root first
+        path = on_path[torch.minimum(index, kept)]
+    last = path.gather(0, kept[None])  # (1,) the path's last node: the target's choice there comes next
+    return torch.cat([(kept + 1)[None], choice[last], path, tokens[path]])
+
+
 @functools.cache
 def root_path(device: torch.device) -> torch.Tensor:
     """(1,) the path of a root alone, shared read-only (every plain row, every step)."""

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.infer.verify import greedy_accept, greedy_accept_packed
+from specgraft.infer.verify import greedy_accept, greedy_accept_packed, greedy_accept_tree
 from specgraft.tree import ROOT_PARENT, Tree
 
 VOCAB = 10
@@ -52,11 +52,13 @@ def test_packed_greedy_acceptance_equals_each_tree_alone(cases, extra_width):
     """Trees packed one after another, decided together on the device: each one's path, next token and path tokens
     are `greedy_accept`'s for that tree alone (ties between equal-depth survivors resolved alike)."""
     trees = [tree for tree, _ in cases]
-    width = max(t.num_nodes for t in trees) + extra_width
+    width = 1 + max(t.max_depth for t in trees) + extra_width  # the tightest width the engine passes, and wider
     result = greedy_accept_packed(torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees]),
                                   torch.cat([t.depth for t in trees]), torch.tensor([c for _, cs in cases for c in cs]),
                                   len(trees), width)
     assert result.shape == (len(trees), 2 + 2 * width)
+    alone = [greedy_accept_tree(tree, torch.tensor(choices), width) for tree, choices in cases]  # the lone row's form
+    assert torch.equal(torch.stack(alone), result)
     for (tree, choices), row in zip(cases, result.tolist()):
         alone = greedy_accept(tree, target_logits(choices))
         count = row[0]

@@ -119,7 +119,8 @@ def grow_dynamic(
     for r, n in enumerate(sizes):
         tree = object.__new__(Tree)
         tree.__dict__.update(tokens=tokens[r, :n], parents=parents[r, :n], depth=depth[r, :n], scores=scores[r, :n],
-                             q=None, without_replacement=False, ancestors=ancestors[r, :n, :n], is_chain=False)
+                             q=None, without_replacement=False, ancestors=ancestors[r, :n, :n], is_chain=False,
+                             _depth_bound=depths[r])
         trees.append(tree)
     return trees
 

@@ -140,6 +140,14 @@ class Tree:
     def max_depth(self) -> int:
         return max(self.depth_list)
 
+    @property
+    def depth_bound(self) -> int:
+        """At least the tree's depth, never read from the device: its depth where its host lists are known (a
+        chain's, a trie's), else what its builder bounded it by (a device-grown tree's levels), else N - 1."""
+        if "depth_list" in self.__dict__:
+            return self.max_depth
+        return self.__dict__.get("_depth_bound", self.num_nodes - 1)
+
     @cached_property
     def is_chain(self) -> bool:
         """True when node i's parent is i - 1 throughout: plain causal attention suffices. Read off `parent_list`: as
