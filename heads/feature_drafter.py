@@ -198,7 +198,7 @@ class FeatureRound:
         # (starts, held, lengths, rows): (B,) each row's slots before the round, 1 where held, its state's committed
         # tokens (0: no request), and (R,) each request's row; staged once for the round's forwards (a batched cache's)
         self.meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._base: torch.Tensor | None = None  # (B,) each row's slots after the roots' forward (see `_chain_level`)
+        self._base: torch.Tensor | None = None  # (B,) each row's slots after the roots' forward (see `_level`)
         self.outputs: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (H,) head output
         self.slots: list[dict[int, int]] = [{} for _ in requests]  # node -> its slot in the row's cache
         self.logp: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (V,) its children's log-probs
@@ -215,16 +215,18 @@ class FeatureRound:
 
     def chains(self) -> list[Tree]:
         """Every request's `Chain` after `run_roots`: `grow_chains` picks each level's tokens on the device and
-        `_chain_level` runs them, every row in one forward a level, nothing read back."""
+        `_level` runs them (a frontier of one node a row, its parent the last level's), every row in one forward a
+        level, nothing read back."""
         n = len(self.requests)
         roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
-        state = {"level": 0, "features": torch.stack([self.outputs[i][0] for i in range(n)])}  # (R, H)
+        state = {"level": 1, "outputs": torch.stack([self.outputs[i][0] for i in range(n)])[:, None], "seen": None}
         first = self._lengths()  # every row's slots before the first level: node d of a chain sits at first + d - 1
+        only = torch.zeros(n, 1, dtype=torch.long, device=roots.device)  # each node's parent: the last level's node
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             state["level"] += 1
-            state["features"] = self._chain_level(state["level"], state["features"], tokens)
-            return self.head.draft_logp(state["features"]).float().log_softmax(-1)
+            out = self._level(state, tokens[:, None], None if state["level"] == 2 else only)
+            return self.head.draft_logp(out[:, 0]).float().log_softmax(-1)
 
         trees = grow_chains(roots, logp, step, [r.policy for r in self.requests], [r.max_depth for r in self.requests],
                             [r.sampling for r in self.requests])
@@ -234,7 +236,7 @@ class FeatureRound:
 
     def dynamic(self) -> list[Tree]:
         """Every request's `DynamicTree` after `run_roots` (one policy for all, a batched cache): `grow_dynamic`
-        ranks and keeps nodes on the device and `_dynamic_level` runs each level's frontier, every row's ``top_k``
+        ranks and keeps nodes on the device and `_level` runs each level's frontier, every row's ``top_k``
         nodes in one forward, nothing read back."""
         n, policy = len(self.requests), self.requests[0].policy
         depths = [min(policy.depth, r.max_depth) for r in self.requests]
@@ -244,7 +246,7 @@ class FeatureRound:
 
         def step(tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
             state["level"] += 1
-            out = self._dynamic_level(state, tokens, came_from)
+            out = self._level(state, tokens, came_from)
             return self.head.draft_logp(out).float().log_softmax(-1)  # (R, k, V)
 
         trees = grow_dynamic(roots, logp, step, policy, depths)
@@ -252,16 +254,22 @@ class FeatureRound:
             self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * policy.top_k))
         return trees
 
-    def _dynamic_level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
-        """One level of every request's dynamic tree: (R, k) frontier tokens, each with its parent's place in the
-        last frontier (None: the root) -> (R, k, H) their outputs.
+    def _level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
+        """One level of every request's tree (a dynamic tree's, or a chain's: a frontier of one): (R, k) frontier
+        tokens, each with its parent's place in the last frontier (None: the root) -> (R, k, H) their outputs.
 
         Frontier node j at level l (its depth l - 1 in the tree's nodes run so far) sits at slot
         base + (l - 2) * k + j, at position length + l - 2, and sees its state's committed pairs and the root
         (slots [0, length)), the slots of its ancestors among the frontiers run before, and its own."""
-        starts, held, lengths, rows = self.meta
         b, k = self.batch, tokens.shape[1]
         level = state["level"]  # the level whose children this forward scores: its frontier is at depth level - 1
+        if self.rows is None:  # one chain over its own cache, its pairs contiguous: causal, no mask
+            position = torch.full((1, 1), self.requests[0].state.length + level - 2, device=tokens.device)
+            parent = state["outputs"] if came_from is None else state["outputs"].gather(
+                1, came_from[:, :, None].expand(-1, -1, state["outputs"].shape[-1]))
+            state["outputs"] = self.head.draft_step(parent, tokens, position, None, self.cache)
+            return state["outputs"]
+        starts, held, lengths, rows = self.meta
         if level == 2:
             self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
         parent_out = state["outputs"]  # (R, k or 1, H) the last frontier's outputs (the root's at first)
@@ -298,33 +306,6 @@ class FeatureRound:
         out = out if in_order else out.index_select(0, rows)
         state["outputs"] = out
         return out
-
-    def _chain_level(self, level: int, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Level ``level`` of every request's chain: (R, H) its parents' outputs, (R,) its tokens -> (R, H) outputs.
-
-        A node at depth d sits at position length - 1 + d and sees its state's committed pairs and the root's
-        (slots [0, length)) and the chain's nodes so far (slots [base, its own]; base: the row's slots after the
-        roots' forward, their padding unseen)."""
-        if self.rows is None:  # one row over its own cache, its pairs contiguous: causal, no mask
-            position = torch.full((1, 1), self.requests[0].state.length - 1 + level, device=tokens.device)
-            return self.head.draft_step(features[:, None], tokens[:, None], position, None, self.cache)[:, 0]
-        starts, held, lengths, rows = self.meta
-        b = self.batch
-        if level == 1:
-            self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
-        slot = self._base + (level - 1) * held  # (B,) each row's new slot: its length now (a free row's: 0)
-        width = max(self._lengths()) + 1
-        columns = torch.arange(width, device=tokens.device)
-        visible = (columns < lengths[:, None]) | ((columns >= self._base[:, None]) & (columns <= slot[:, None]))
-        mask = torch.zeros(b, 1, 1, width, dtype=features.dtype, device=tokens.device)
-        mask = mask.masked_fill(~visible[:, None, None], torch.finfo(features.dtype).min)
-        in_order = [r.row for r in self.requests] == list(range(b))
-        if not in_order:  # rows of the pool that draft nothing now pad: their outputs are dropped
-            features = features.new_zeros(b, features.shape[-1]).index_copy(0, rows, features)
-            tokens = tokens.new_zeros(b).index_copy(0, rows, tokens)
-        self.cache.stage_starts(slot)
-        out = self.head.draft_step(features[:, None], tokens[:, None], (lengths - 1 + level)[:, None], mask, self.cache)
-        return out[:, 0] if in_order else out[:, 0].index_select(0, rows)
 
     def step(self, asked: list[tuple[int, Tree, torch.Tensor]]) -> list[torch.Tensor]:
         """`grow_together`'s step: one forward for every asked request's new frontier nodes."""

@@ -121,9 +121,9 @@ def greedy_accept_tree(tree: Tree, choice: torch.Tensor, width: int) -> torch.Te
         ancestors = tree.ancestor_mask()
         alive = ~(ancestors & ~match).any(dim=1)  # every node on its path matches
         nodes = torch.arange(n, device=tokens.device)
-        best = torch.where(alive, tree.depth * n + (n - 1 - nodes), -1).argmax()  # deepest, first among equals
-        kept = tree.depth[best]
-        on_path = torch.where(ancestors[best], nodes, n).sort().values  # the path's nodes first, root first
+        best = torch.where(alive, tree.depth * n + (n - 1 - nodes), -1).argmax()[None]  # deepest, first among equals
+        kept = tree.depth[best][0]  # (indexed by a (1,) tensor: a 0-d index would be read on the host)
+        on_path = torch.where(ancestors[best][0], nodes, n).sort().values  # the path's nodes first, root first
         path = on_path[torch.minimum(index, kept)]
     last = path.gather(0, kept[None])  # (1,) the path's last node: the target's choice there comes next
     return torch.cat([(kept + 1)[None], choice[last], path, tokens[path]])
