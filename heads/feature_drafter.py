@@ -250,7 +250,9 @@ class FeatureRound:
             return self.head.draft_logp(out).float().log_softmax(-1)  # (R, k, V)
 
         trees = grow_dynamic(roots, logp, step, policy, depths)
-        for i, (request, depth) in enumerate(zip(self.requests, depths)):  # the slots its levels took (for its peak)
+        for i, (request, depth) in enumerate(zip(self.requests, depths)):
+            # The slots its levels took, for its peak (`rollback` counts them): keyed -1, -2, ..., no node's index,
+            # as the frontiers that ran are not the tree's nodes once it is cut
             self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * policy.top_k))
         return trees
 

@@ -575,12 +575,13 @@ class Scheduler:
         verified: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]],
     ) -> dict[int, Chosen]:
         """The accepted paths of every row that can be decided on the device together, read back in one copy: greedy
-        rows without banned ids (`greedy_accept_packed`, every tree shape), and sampled rows verifying their root
-        alone (plain decoding: their next token drawn under their own filters and RNG). Each row's next token stays
-        on the device too, for its next root-only tree (see `Tree.root_only`). The other rows accept in their own
-        commits; so do all, if this fails."""
+        rows without banned ids (`greedy_accept_packed`, every tree shape), sampled chains under the exact rule
+        (`accept_chain`), and sampled rows verifying their root alone (their next token drawn under their own
+        filters and RNG). Each row's next token stays on the device too, for its next root-only tree (see
+        `Tree.root_only`). The other rows (sampled trees, banned ids, a lossy rule) accept in their own commits;
+        so do all, if this fails."""
         greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
-        wanted = {r.handle for r in greedy}  # (handles: a Request's == compares every field)
+        wanted = {r.handle for r in greedy}  # the rows decided here, by handle
         roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r.handle not in wanted]
         chains = [r for r in rows if not r.sampling.greedy and r.acceptance is sample_accept
                   and trees[r.handle].num_nodes > 1 and trees[r.handle].is_chain]
