@@ -76,3 +76,20 @@ def test_dflash_blocks_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
     outputs = gen.generate_batch(prompts, max_new_tokens=32, eos_token_id=())
     for out, prompt in zip(outputs, prompts):
         assert out.token_ids == hf_greedy(cuda_stories, prompt, 32)
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
+def test_eagle_on_cuda_equals_hf_greedy_within_the_sync_budgets(cuda_stories, trained_eagle, dev_prompts, tree):
+    """The GPU-shaped step where it matters: EAGLE's batched draft, the packed verification and the acceptance on the
+    device give HF's greedy tokens on CUDA, and a step there syncs no more than on the CPU (docs/engine.md)."""
+    from test_step_counts import CHAIN_SYNCS, PLAIN_SYNCS, assert_syncs
+
+    eagle = sg.load_drafter(trained_eagle, cuda_stories)
+    policy = sg.parse_tree_spec(tree)
+    gen = sg.SpeculativeGenerator(cuda_stories, eagle, tree=policy)
+    prompts = [cuda_stories.encode(p) for p in dev_prompts[:6]]
+    budgets = [40, 17, 33, 48, 9, 25]
+    for ids, n, out in zip(prompts, budgets, gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())):
+        assert out.token_ids == hf_greedy(cuda_stories, ids, n)
+    assert_syncs(cuda_stories, PLAIN_SYNCS)
+    assert_syncs(cuda_stories, CHAIN_SYNCS, {"eagle": eagle}, drafter="eagle", tree=policy)
