@@ -205,13 +205,48 @@ class FeatureRound:
 
     def run_roots(self) -> None:
         """Every request's first forward: the pairs committed since its last round, then its root's."""
-        if self.rows is not None:
-            lengths = [0] * self.batch
-            for request in self.requests:
-                lengths[request.row] = request.state.length
-            held = [int(view is not None) for view in self.rows.views[: self.batch]]
-            self.meta = tuple(staged(self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests]))
-        self._run({i: self._root_pairs(i) for i in range(len(self.requests))})
+        if self.rows is None:
+            self._run({i: self._root_pairs(i) for i in range(len(self.requests))})
+            return
+        lengths = [0] * self.batch
+        for request in self.requests:
+            lengths[request.row] = request.state.length
+        held = [int(view is not None) for view in self.rows.views[: self.batch]]
+        sizes = [r.state.length - self.lengths[r.row] for r in self.requests]  # each row's pairs: catch-up and root
+        width = max(sizes)
+        places = [r.row * width + j for r, n in zip(self.requests, sizes) for j in range(n)]  # in the (B * T) grid
+        *self.meta, places = staged(self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],
+                                    places)
+        self.meta = tuple(self.meta)
+        self._run_roots(sizes, places)
+
+    def _run_roots(self, sizes: list[int], places: torch.Tensor) -> None:
+        """Every request's catch-up pairs and root in one forward over the batched cache, every row's pairs placed by
+        the indices staged with the round's metadata (no work a row): pair j of a row sits at its next slot j,
+        position start + j, and sees the cache and the row's pairs up to it; padding sees its own slot only."""
+        starts, held, lengths, _ = self.meta
+        states, width = [r.state for r in self.requests], max(sizes)
+        for request in self.requests:
+            root = request.root_tensor
+            self.roots.append(torch.tensor([request.root_token], device=places.device) if root is None else root)
+        features = torch.cat([s.features for s in states])  # (sum n, H)
+        pieces = [piece for s, root in zip(states, self.roots) for piece in (s.next_tokens, root)]
+        tokens = torch.cat(pieces)  # (sum n,) each row's catch-up tokens, then its root
+        b, hidden, device = self.batch, features.shape[-1], features.device
+        grid_features = features.new_zeros(b * width, hidden).index_copy_(0, places, features).view(b, width, hidden)
+        grid_tokens = tokens.new_zeros(b * width).index_copy_(0, places, tokens).view(b, width)  # padding: token 0
+        new = torch.arange(width, device=device)
+        slots = starts[:, None] + new  # (B, T) each pair's slot, its position too
+        columns = torch.arange(max(self.lengths) + width, device=device)
+        count = (lengths - starts).clamp(min=0)  # (B,) a row's pairs (none where it drafts nothing)
+        visible = ((columns <= slots[:, :, None]) & (new < count[:, None])[:, :, None]) | (columns == slots[:, :, None])
+        mask = torch.zeros(visible.shape, dtype=features.dtype, device=device)
+        mask = mask.masked_fill(~visible, torch.finfo(features.dtype).min)[:, None]  # (B, 1, T, W) additive
+        self.cache.stage_starts(starts)
+        out = self.head.draft_step(grid_features, grid_tokens, slots, mask, self.cache)  # (B, T, H)
+        split = tokens.split(sizes)
+        pairs = {i: _Pairs([0], None, split[i], None, None, None, True) for i in range(len(self.requests))}
+        self._record(pairs, self.lengths, out)
 
     def chains(self) -> list[Tree]:
         """Every request's `Chain` after `run_roots`: `grow_chains` picks each level's tokens on the device and
@@ -371,11 +406,7 @@ class FeatureRound:
         width = max(starts) + t
         features = first.features.new_zeros(b, t, first.features.shape[-1])
         tokens = torch.zeros(b, t, dtype=torch.long, device=device)  # padding: token 0, masked, never read
-        if first.is_root and self.meta is not None:  # staged with the round's metadata
-            first_slot = self.meta[0][:, None]
-            self.cache.stage_starts(self.meta[0])
-        else:
-            first_slot = torch.tensor(starts, device=device)[:, None]  # (B, 1): the row's new pairs take the next T slots
+        first_slot = torch.tensor(starts, device=device)[:, None]  # (B, 1): the row's new pairs take the next T slots
         positions = first_slot.repeat(1, t)  # (B, T); padding sits at its first slot's index
         columns, new = torch.arange(width, device=device), torch.arange(t, device=device)
         visible = columns == (first_slot + new)[:, :, None]  # (B, T, W) its own slot (padding: only it)

@@ -137,9 +137,16 @@ def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, opt
     assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.Chain(4), seed=3, **options)
 
 
-def test_plain_decoding_kernels_do_not_grow_with_the_batch(stories):
-    one = count_steps(steady(stories, 1).step, STEPS)
-    sixteen = count_steps(steady(stories, 16).step, STEPS)
+@pytest.mark.parametrize("tree", [None, "chain:4", "dynamic:4,5,16"], ids=["plain", "eagle-chain", "eagle-dynamic"])
+def test_kernels_do_not_grow_with_the_batch(stories, trained_eagle, tree):
+    """No loop over rows launches work: plain decoding, and EAGLE's draft rounds (the roots' catch-up placed by
+    staged indices, each level one forward) with their acceptance."""
+    import specgraft as sg
+
+    options = {} if tree is None else dict(drafter="eagle", tree=sg.parse_tree_spec(tree))
+    drafters = {} if tree is None else {"eagle": sg.load_drafter(trained_eagle, stories)}
+    one = count_steps(steady(stories, 1, drafters, **options).step, STEPS)
+    sixteen = count_steps(steady(stories, 16, drafters, **options).step, STEPS)
     assert sixteen.kernels_per_step <= KERNEL_GROWTH * one.kernels_per_step, (
         f"{sixteen.kernels_per_step:.0f} kernels a step at batch 16 against {one.kernels_per_step:.0f} at batch 1: "
         f"{sixteen.ops.most_common(8)}"
