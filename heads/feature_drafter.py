@@ -310,29 +310,34 @@ class FeatureRound:
         if level == 2:
             self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
         parent_out = state["outputs"]  # (R, k or 1, H) the last frontier's outputs (the root's at first)
-        if came_from is None:
+        chain = k == 1  # a chain's node sees every tree slot before it: its ancestors are all the nodes run
+        if came_from is None or chain:
             features = parent_out.expand(-1, k, -1)
             seen = torch.zeros(len(self.requests), k, 0, dtype=torch.bool, device=tokens.device)
         else:  # each node sees what its parent saw, and its parent
             features = parent_out.gather(1, came_from[:, :, None].expand(-1, -1, parent_out.shape[-1]))
             seen = torch.cat([state["seen"].gather(1, came_from[:, :, None].expand(-1, -1, state["seen"].shape[-1])),
                               torch.nn.functional.one_hot(came_from, k).bool()], dim=2)
-        state["seen"] = seen  # (R, k, (level - 2) * k) over the tree slots run before
+        state["seen"] = seen  # (R, k, (level - 2) * k) over the tree slots run before (a chain keeps none)
         own = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(self.requests), -1, -1)
-        tree_seen = torch.cat([seen, own], dim=2)  # (R, k, (level - 1) * k): tree slots from base on
+        tree_seen = None if chain else torch.cat([seen, own], dim=2)  # (R, k, (level - 1) * k): tree slots from base
         in_order = [r.row for r in self.requests] == list(range(b))
         if not in_order:  # rows of the pool that draft nothing now pad: they see their own slot, outputs dropped
-            pad = torch.zeros(b, k, dtype=torch.bool, device=tokens.device)
-            pad = pad[:, :, None].expand(-1, -1, tree_seen.shape[2]).clone()
-            tree_seen = pad.index_copy(0, rows, tree_seen)
+            if tree_seen is not None:
+                pad = torch.zeros(b, k, dtype=torch.bool, device=tokens.device)
+                pad = pad[:, :, None].expand(-1, -1, tree_seen.shape[2]).clone()
+                tree_seen = pad.index_copy(0, rows, tree_seen)
             features = features.new_zeros(b, k, features.shape[-1]).index_copy(0, rows, features)
             tokens = tokens.new_zeros(b, k).index_copy(0, rows, tokens)
         slot = self._base + (level - 2) * k * held  # (B,) each row's first new slot: its length now
         width = max(self._lengths()) + k
         columns = torch.arange(width, device=tokens.device)
         offset = columns[None] - self._base[:, None]  # (B, W) each column's place among the tree slots
-        inside = (offset >= 0) & (offset < tree_seen.shape[2])
-        tree_part = tree_seen.gather(2, offset.clamp(0, tree_seen.shape[2] - 1)[:, None].expand(-1, k, -1))
+        inside = (offset >= 0) & (offset < (level - 1) * k)
+        if chain:  # every tree slot so far, its own included (a row that drafts nothing sees its own, or none before)
+            tree_part = inside[:, None]
+        else:
+            tree_part = tree_seen.gather(2, offset.clamp(0, tree_seen.shape[2] - 1)[:, None].expand(-1, k, -1))
         own_slot = columns[None, None] == (slot[:, None] + torch.arange(k, device=tokens.device))[:, :, None]
         visible = (columns[None, None] < lengths[:, None, None]) | (tree_part & inside[:, None]) | own_slot
         mask = torch.zeros(b, 1, k, width, dtype=features.dtype, device=tokens.device)
