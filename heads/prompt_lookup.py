@@ -15,7 +15,7 @@ import torch
 from specgraft.heads.base import DraftRequest
 from specgraft.model.staging import staged
 from specgraft.tree import ROOT_PARENT, Sampling, Tree, TreePolicy
-from specgraft.tree.tree import ANCESTOR_BITS
+from specgraft.tree.tree import ANCESTOR_BITS, ancestor_bits
 
 
 class PromptLookup:
@@ -152,7 +152,7 @@ def _trie(root_token: int, branches: list[list[int]]) -> Tree:
 def _trie_lists(root_token: int, branches: list[list[int]]) -> tuple[list[int], list[int], list[int], list[int]]:
     """(tokens, parents, depth, ancestor bits) of the trie merging ``branches`` under the root (the root alone
     where none); node i's ancestors (itself included) are the set bits of ``bits[i]`` (see `Tree.from_host`)."""
-    tokens, parents, depth, bits = [root_token], [ROOT_PARENT], [0], [1]
+    tokens, parents, depth = [root_token], [ROOT_PARENT], [0]
     child: dict[tuple[int, int], int] = {}
     for branch in branches:
         node = 0
@@ -160,11 +160,10 @@ def _trie_lists(root_token: int, branches: list[list[int]]) -> tuple[list[int], 
             key = (node, token)
             if key not in child:
                 child[key] = len(tokens)
-                bits.append(bits[node] | 1 << len(tokens))
                 tokens.append(token)
                 parents.append(node)
                 depth.append(depth[node] + 1)
             node = child[key]
-    if len(tokens) > ANCESTOR_BITS:  # too many nodes for an int's bits: the tree derives its ancestors itself
-        bits = [0] * len(tokens)
+    # Past ANCESTOR_BITS nodes an int cannot hold them: zeros, and the tree derives its ancestors itself
+    bits = ancestor_bits(parents) if len(tokens) <= ANCESTOR_BITS else [0] * len(tokens)
     return tokens, parents, depth, bits

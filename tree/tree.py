@@ -98,10 +98,8 @@ class Tree:
         int each (bit j of node i: j is i or one of its ancestors; all 0 past `ANCESTOR_BITS` nodes, derived then),
         its structure's lists kept: the structure is checked on the host, nothing is read back for it."""
         n = len(parent_list)
-        tree = cls.__new__(cls)
-        tree.__dict__.update(tokens=tokens, parents=parents, depth=depth, q=None, without_replacement=False,
-                             ancestors=None, scores=torch.zeros(n, device=tokens.device),
-                             parent_list=parent_list, depth_list=depth_list)
+        tree = _known(cls, tokens, parents, depth, torch.zeros(n, device=tokens.device), None,
+                      parent_list=parent_list, depth_list=depth_list)
         tree.__post_init__()  # checks the lists: parents first, one root
         if n <= ANCESTOR_BITS:
             tree.__dict__["_ancestor_bits"] = ancestor_bits  # read only where a mask is needed (not for a chain)
@@ -166,9 +164,7 @@ class Tree:
         if bits is not None:
             return (bits[:, None] >> torch.arange(n, device=device)) & 1 == 1
         if n <= ANCESTOR_BITS:  # each node's ancestors as the bits of one int, read off its parent's: one tensor op
-            bits = [0] * n
-            for i, p in enumerate(parents):
-                bits[i] = (bits[p] if p >= 0 else 0) | 1 << i
+            bits = ancestor_bits(parents)
             return (torch.tensor(bits, device=device)[:, None] >> torch.arange(n, device=device)) & 1 == 1
         eye = torch.eye(n, dtype=torch.bool, device=device)
         # step[i, j]: j is i's parent. Reach ancestors one generation at a time.
@@ -213,8 +209,16 @@ def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
     )
 
 
+def ancestor_bits(parents: list[int]) -> list[int]:
+    """Each node's ancestors (itself included) as the set bits of one int, read off its parent's (parents first)."""
+    bits = [0] * len(parents)
+    for i, p in enumerate(parents):
+        bits[i] = (bits[p] if p >= 0 else 0) | 1 << i
+    return bits
+
+
 def _known(cls: type[Tree], tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor,
-           ancestors: torch.Tensor, q: torch.Tensor | None = None, **lists: list[int]) -> Tree:
+           ancestors: torch.Tensor | None, q: torch.Tensor | None = None, **lists: list[int]) -> Tree:
     """A tree of a structure made and checked once (a root alone, a chain): its fields set without the checks of
     ``__init__`` (a root-only tree a row a step: 1.4 us here against 2.1), its structure's host lists with it."""
     tree = object.__new__(cls)
