@@ -1,4 +1,6 @@
-"""The engine: one scheduler and its step (verification, KV commit, stop rules, stats), its events, the server."""
+"""The engine: one scheduler and its step (verification, KV commit, stop rules, stats), its events.
+
+The HTTP server over it is `specgraft.infer.serve`, which this package never imports."""
 
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options

@@ -8,7 +8,7 @@ import pytest
 
 import specgraft as sg
 from specgraft.infer import Failed, Finished, Tokens, check_prompt
-from specgraft.infer.engine import Engine, EngineObserver, Job, QueueFull
+from specgraft.infer.serve.engine import Engine, EngineObserver, Job, QueueFull
 from specgraft.model import TREE_SLOTS
 
 TOKENS = 12

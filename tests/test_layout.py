@@ -8,7 +8,8 @@ An arrow is "may import". The rooms, from the bottom up:
     specgraft.model                       threads
     specgraft.heads                       tree, model, specs
     specgraft.config                      heads (their typed configs), specs
-    specgraft.infer                       heads, tree, model, specs, threads
+    specgraft.infer                       heads, tree, model, specs, threads (its `serve` package, the HTTP layer,
+                                          is imported only by the cli, and alone imports the HTTP stack)
     specgraft.train                       heads, model, config, tree, specs (and infer for evaluation and regeneration only)
     specgraft.tools                       the public API: `specgraft` and its rooms' packages, never their modules
     specgraft.cli                         everything; nothing imports it but a ``__main__`` entry point
@@ -163,14 +164,35 @@ def test_every_import_follows_the_arrows():
     assert not bad, "imports against DESIGN.md's arrows:\n  " + "\n  ".join(bad)
 
 
+SERVE = "specgraft.infer.serve"  # the HTTP layer: in the engine's room, above it
+HTTP_STACK = ("fastapi", "uvicorn", "starlette", "prometheus_client")
+
+
+def test_the_engine_never_imports_its_server():
+    """`specgraft.infer.serve` is a layer over the scheduler: nothing else of ours but the cli imports it, and only it
+    imports the HTTP stack."""
+    modules = sources()
+    known = set(modules)
+    bad = []
+    for module, path in modules.items():
+        if module == SERVE or module.startswith(SERVE + "."):
+            continue
+        for imp in imports_of(module, path.read_text(), known, is_package=path.name == "__init__.py"):
+            top = imp.imported.split(".")[0]
+            serve = imp.imported == SERVE or imp.imported.startswith(SERVE + ".")
+            if (serve and room_of(module) != "specgraft.cli") or top in HTTP_STACK:
+                bad.append(f"{path.relative_to(REPO)}:{imp.line}: {module} imports {imp.imported}")
+    assert not bad, "outside specgraft.infer.serve:\n  " + "\n  ".join(bad)
+
+
 @pytest.mark.parametrize(
     ("module", "source", "complaint"),
     [
         ("specgraft.tree.policies", "import torch\nfrom specgraft.model import Target\n", "may not import specgraft.model"),
         ("specgraft.heads.medusa", "def f():\n    from specgraft.tools.bench import run_bench\n", "may not import specgraft.tools"),
-        ("specgraft.infer.server", "import argparse\n", "only specgraft.cli parses"),
+        ("specgraft.infer.serve.server", "import argparse\n", "only specgraft.cli parses"),
         ("specgraft.train.data", "from specgraft import cli\n", "nothing imports the cli"),
-        ("specgraft.tools.bench", "from specgraft.infer.engine import Engine\n", "a tool uses the public API"),
+        ("specgraft.tools.bench", "from specgraft.infer.scheduler import Scheduler\n", "a tool uses the public API"),
         ("specgraft.train.data", "from specgraft.infer import SpeculativeGenerator\n", "may not import specgraft.infer"),
         ("specgraft.specs", "from .tree import Chain\n", "may not import specgraft.tree"),
     ],
@@ -183,7 +205,7 @@ def test_a_wrong_import_is_reported(module, source, complaint):
 
 def test_type_checking_imports_are_not_arrows():
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import argparse\n    from specgraft.tools import bench\n"
-    assert violations("specgraft.infer.server", imports_of("specgraft.infer.server", source, set()), "x.py") == []
+    assert violations("specgraft.infer.serve.server", imports_of("specgraft.infer.serve.server", source, set()), "x.py") == []
 
 
 def test_entry_points_may_start_the_cli():

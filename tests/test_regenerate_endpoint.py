@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from regen_helpers import records, regenerate_killed_then_resumed
 from serve_helpers import ServerThread
 
-from specgraft.infer.server import create_app
+from specgraft.infer.serve import create_app
 from specgraft.model import Target
 from specgraft.train.endpoint import EndpointClient
 from specgraft.train.regeneration import regenerate

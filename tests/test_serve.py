@@ -15,7 +15,7 @@ import pytest
 
 import specgraft as sg
 from specgraft.heads import load_drafter
-from specgraft.infer.server import chat_prompt_ids, create_app
+from specgraft.infer.serve import chat_prompt_ids, create_app
 
 from conftest import STORIES, needs_shared
 from serve_helpers import Boom, ServerThread, metric

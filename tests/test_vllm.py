@@ -189,7 +189,7 @@ def test_server_bench_puts_vllm_serve_in_the_rotation(vllm_python, bench_setup, 
     from serve_helpers import ServerThread
 
     from specgraft.cli import main
-    from specgraft.infer.server import create_app
+    from specgraft.infer.serve import create_app
     from specgraft.tools.vllm_engine import VLLMServer, speculative_config, vllm_draft_dir
 
     model, head_dir, prompts = bench_setup

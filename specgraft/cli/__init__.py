@@ -287,7 +287,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
-    from specgraft.infer.server import create_app, run_server
+    from specgraft.infer.serve import create_app, run_server
     from specgraft.tree import policy_from_spec
 
     named = parse_drafter_flags(args.drafter)

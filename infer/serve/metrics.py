@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specgraft.infer.engine import EngineObserver
 from specgraft.infer.scheduler import EngineCounters, Scheduler
+from specgraft.infer.serve.engine import EngineObserver
 from specgraft.infer.stats import GenerationStats
 
 # Buckets for TTFT and inter-token latency: from a tiny model's sub-millisecond steps up to a queued request's seconds.

@@ -31,9 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
-from specgraft.infer.engine import Engine, Job, QueueFull
+from specgraft.infer.serve.engine import Engine, Job, QueueFull
 from specgraft.infer.events import Failed, Finished, Tokens
-from specgraft.infer.openai_protocol import (
+from specgraft.infer.serve.protocol import (
     COMPLETION_MAX_TOKENS,
     MAX_SPECULATIVE_TOKENS,
     MAX_TREE_NODES,
@@ -50,7 +50,7 @@ from specgraft.infer.openai_protocol import (
     stop_strings,
 )
 from specgraft.infer.request import PromptIds, check_prompt
-from specgraft.infer.serve_metrics import Metrics
+from specgraft.infer.serve.metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
 from specgraft.specs import PROMPT_LOOKUP, parse_tree, tree_file
