@@ -2,9 +2,9 @@
 
 The HTTP server over it is `specgraft.infer.serve`, which this package never imports."""
 
+from specgraft.infer.adaptive import GoodputController, TreeChoice, interpolate, size_tree
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options
-from specgraft.infer.goodput import GoodputController
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats, percentile, quartiles
@@ -28,12 +28,15 @@ __all__ = [
     "StopRule",
     "StreamChunk",
     "Tokens",
+    "TreeChoice",
     "check_prompt",
     "greedy_accept",
+    "interpolate",
     "is_lossless",
     "lossy_typical_accept",
     "per_prompt_options",
     "percentile",
     "quartiles",
     "sample_accept",
+    "size_tree",
 ]

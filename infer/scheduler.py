@@ -44,7 +44,7 @@ import torch
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
 from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
-from specgraft.infer.goodput import Candidate, GoodputController
+from specgraft.infer.adaptive import Candidate, GoodputController
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
     Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import specgraft as sg
-from specgraft.infer.goodput import Candidate, DrafterStats, GoodputController
-from specgraft.infer.step_cost import PACKED_EVERY, RESCALE_EVERY, StepCost, forget_step_cost
+from specgraft.infer.adaptive.goodput import Candidate, DrafterStats, GoodputController
+from specgraft.infer.adaptive.step_cost import PACKED_EVERY, RESCALE_EVERY, StepCost, forget_step_cost
 from specgraft.tree import ROOT_PARENT, Tree
 
 from test_engine_api import hf_generate
@@ -270,7 +270,7 @@ def test_plans_count_on_the_share_of_a_levels_reach_its_likeliest_node_holds_whe
 
 
 def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
-    from specgraft.infer.goodput import DRAFTER_MEMORY, PRIOR_WEIGHT, REACH_PRIOR
+    from specgraft.infer.adaptive.goodput import DRAFTER_MEMORY, PRIOR_WEIGHT, REACH_PRIOR
 
     stats = DrafterStats()
     for step in range(40):  # depth 1 reached every fourth step, depth 2 never
@@ -286,7 +286,7 @@ def test_a_drafters_reach_counts_its_recent_steps_from_a_prior():
 
 
 def test_timed_points_are_read_as_timed_steps_and_all_and_never_cheaper_for_more_tokens():
-    from specgraft.infer.step_cost import rising_times
+    from specgraft.infer.adaptive.step_cost import rising_times
 
     # SmolLM2 at batch 1 (ms): 1 and 2 tokens run one kernel, 3 and 4 another; 16 tokens timed faster than 12
     timed = {1: 38.0, 2: 38.5, 3: 52.0, 4: 50.0, 8: 55.0, 12: 70.0, 16: 66.0, 24: 80.0}
@@ -459,7 +459,7 @@ def test_the_rates_of_trees_without_probabilities_are_calibrated_by_what_selecti
 def test_a_row_that_does_not_draft_probes_its_likeliest_path_as_deep_as_it_may_draft_at_its_budgeted_share_of_steps(
     token_seconds,
 ):
-    from specgraft.infer.goodput import PROBE_SHARE, SURE_LOSS_PROBE_SHARE
+    from specgraft.infer.adaptive.goodput import PROBE_SHARE, SURE_LOSS_PROBE_SHARE
 
     # each forward token costs a forward (or half one): no depth pays
     ctl = controller({1: 1.0, 64: 1.0 + 63 * token_seconds})
@@ -517,7 +517,7 @@ def test_a_probe_is_priced_with_catching_up_the_tokens_its_row_committed_since_i
     about one a step between probes: that catching up counts in the probe's share, and where it alone costs more
     than the share, the row does not probe at this batch (stories260K, prompt lookup at batch 4: probes budgeted at
     1% cost 2.5% of the throughput before)."""
-    from specgraft.infer.goodput import PROBE_SHARE
+    from specgraft.infer.adaptive.goodput import PROBE_SHARE
 
     ctl, d = controller({1: 1.0, 64: 1.0 + 63 * 0.5}), Drafter()
     stats = ctl.stats(d)
@@ -540,7 +540,7 @@ def test_a_probe_is_priced_with_catching_up_the_tokens_its_row_committed_since_i
 def test_rows_shorter_than_a_probes_wait_probe_all_the_same_at_phases_spread_by_their_keys():
     """Each row probes on its own clock; one that joined would wait a whole ``every`` for its first probe, and rows
     that end sooner (a 64-token generation against 70 steps) would never probe, nor their drafter learn again."""
-    from specgraft.infer.goodput import PROBE_SHARE
+    from specgraft.infer.adaptive.goodput import PROBE_SHARE
 
     ctl = controller({1: 1.0, 64: 1.0 + 63 * 0.5})
     d = with_quarter_second_levels(ctl)
@@ -594,7 +594,7 @@ def test_a_plan_that_drafts_no_row_stands_for_its_rows_until_a_row_is_due_or_wha
 
 
 def test_a_row_silenced_by_early_misses_drifts_back_to_its_drafters_reach_and_drafts_again():
-    from specgraft.infer.goodput import QUIET_HALVING
+    from specgraft.infer.adaptive.goodput import QUIET_HALVING
 
     ctl, d = controller({1: 1.0, 64: 1.0}), Drafter()  # verifying is free; goodput 1 token a second
     stats = ctl.stats(d)
@@ -627,7 +627,7 @@ def test_drafters_learn_a_pass_of_trees_at_a_time_rows_at_once_and_as_one_by_one
     """A drafter learns from verified trees `LEARN_EVERY` at a time (or when a row leaves), with what selection
     expected of each when it was selected, and its statistics end as learning tree by tree leaves them; a row's
     own counts move at once (its next plan reads them)."""
-    import specgraft.infer.goodput as goodput
+    import specgraft.infer.adaptive.goodput as goodput
 
     accepted = [[0, 1], [0], [0, 1, 2], [0, 1], [0], [0], [0, 1, 2]]
 

@@ -10,6 +10,7 @@ import torch
 
 import specgraft as sg
 from conftest import DEV_PROMPTS, STORIES
+from specgraft.infer.adaptive.sizing import TreeChoice, best_first_paths, interpolate, size_tree
 from specgraft.tools.tune import (
     measure_acceptance,
     measure_one_token,
@@ -19,10 +20,8 @@ from specgraft.tools.tune import (
     tree_spec,
     tune,
 )
-from specgraft.tree.optimize import TreeChoice
 from specgraft.tree.policies import tree_from_spec
 from specgraft.tree import Chain, DynamicTree, StaticTree, parse_tree_spec
-from specgraft.tree.optimize import best_first_paths, interpolate, size_tree
 
 ACCEPTANCE = [[0.6, 0.15, 0.05], [0.5, 0.1], [0.45, 0.1], [0.4]]
 

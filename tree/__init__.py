@@ -3,7 +3,6 @@
 from specgraft.tree.adaptive import Adaptive
 from specgraft.tree.dynamic import DynamicTree, subtree
 from specgraft.tree.mask import additive_mask, tree_attention_mask, tree_position_ids
-from specgraft.tree.optimize import TreeChoice, interpolate, size_tree
 from specgraft.tree.policies import (
     Chain, Growth, StaticTree, TreeBuilder, TreePolicy, grow_chains, grow_together, parse_tree_spec, policy_from_spec,
     tree_from_spec,
@@ -21,15 +20,12 @@ __all__ = [
     "StaticTree",
     "Tree",
     "TreeBuilder",
-    "TreeChoice",
     "TreePolicy",
     "additive_mask",
     "grow_chains",
     "grow_together",
-    "interpolate",
     "parse_tree_spec",
     "policy_from_spec",
-    "size_tree",
     "subtree",
     "tree_attention_mask",
     "tree_from_spec",

@@ -5,7 +5,7 @@ expanded node, the best ranked by cumulative draft log-probability), at most
 ``max_depth`` deep and ``max_nodes`` nodes. How much of that is drafted and
 verified is not the policy's decision: the engine plans each row's draft
 depth before drafting and selects, across the whole batch, the candidate
-nodes worth a place in the step's forward (`specgraft.infer.goodput`). Alone,
+nodes worth a place in the step's forward (`specgraft.infer.adaptive`). Alone,
 outside an engine that sizes it, it is that dynamic tree.
 
 Children are top-k, so under sampling every node is verified as a point

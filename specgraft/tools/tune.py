@@ -1,6 +1,6 @@
 """``specgraft tune-tree``: measure this device and this drafter, then size the tree.
 
-Four measurements feed `specgraft.tree.optimize.size_tree`:
+Four measurements feed `specgraft.infer.adaptive.sizing.size_tree`:
 
 1. verification cost T(n)/T(1) for n tree nodes on a real prefix, cached per
    model, dtype, device and thread count (it depends on nothing else);
@@ -31,14 +31,12 @@ import torch
 from tqdm.auto import tqdm
 
 from specgraft.heads import Drafter
-from specgraft.infer import Scheduler, Tokens
+from specgraft.infer import Scheduler, Tokens, TreeChoice, interpolate, size_tree
 from specgraft.model import Target
 from specgraft.tools.bench import run_interleaved
 from specgraft.tools.bench_runners import engine_runner
 from specgraft.tools.prompts import BenchPrompt
-from specgraft.tree import (
-    Chain, Tree, TreeBuilder, TreeChoice, TreePolicy, interpolate, size_tree, tree_attention_mask, tree_from_spec, tree_position_ids,
-)
+from specgraft.tree import Chain, Tree, TreeBuilder, TreePolicy, tree_attention_mask, tree_from_spec, tree_position_ids
 
 VERIFY_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 PREFIX_TOKENS = 128  # a typical mid-generation cache length for the cost curve

@@ -1,7 +1,7 @@
 """T(N), what a target forward over N packed tokens costs on this machine: timed once per target, then learned.
 
-The goodput controller (`specgraft.infer.goodput`) prices every draft level and every verified node in seconds of
-the target's forward; this module owns those seconds. `StepCost.measure` times a few forwards at start-up (in
+The goodput controller (`specgraft.infer.adaptive.goodput`) prices every draft level and every verified node in
+seconds of the target's forward; this module owns those seconds. `StepCost.measure` times a few forwards at start-up (in
 passes up and down the sizes, the fastest of each, made never to decrease with more tokens: `rising_times`); the
 steps' own forwards then rescale it (the machine's load moves), teach the penalty a tree adds to a forward (a row
 alone's, and packed beside one-token rows), and fit the step's work beyond its forward per step, per row and per

@@ -36,7 +36,7 @@ the rows whose tree policy is `Adaptive`, each step the `GoodputController`:
    without probabilities (prompt lookup) uses its row's running acceptance by
    depth, calibrated the same way (selection keeps the rows that were lucky
    lately, so the raw rates run high). T is measured once with a few timed
-   forwards, made never to decrease with more tokens (`specgraft.infer.step_cost`),
+   forwards, made never to decrease with more tokens (`specgraft.infer.adaptive.step_cost`),
    and rescaled by the forward times steps observe (P from those with trees
    against those without); a drafter's cost per row, a fixed part plus a
    part per level (prompt lookup pays once for any depth, a head once per
@@ -63,7 +63,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from specgraft.infer.step_cost import StepCost, plane, plane_terms, step_cost
+from specgraft.infer.adaptive.step_cost import StepCost, plane, plane_terms, step_cost
 from specgraft.model import Target
 from specgraft.tree import Tree, subtree
 
