@@ -44,9 +44,9 @@ class DraftModel:
                 "a draft must share the target's tokenizer"
             )
         if self.model.fast is not None and self.model is not target and target.fast is not None:
-            # The target's few-row products were measured on this machine; the shapes the draft shares with it
-            # (a distilled draft has the target's layer shapes) take the same form.
-            self.model.fast.small_rows = target.fast.small_rows
+            # The target's products were measured on this machine; the shapes the draft shares with it (a distilled
+            # draft has the target's layer shapes) take the same form.
+            self.model.fast.share_small_rows(target.fast.small_rows)
         self.device = target.device
 
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> DraftModelState:

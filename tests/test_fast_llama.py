@@ -102,7 +102,8 @@ def _model(name: str):
     return tiny_causal_lm(name, vocab_size=VOCAB, seed=1)
 
 
-CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "llama-small-rows", "qwen2-small-rows"]
+CASES = ["stories", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "llama-small-rows", "qwen2-small-rows",
+         "llama-packed", "qwen2-packed", "qwen3-packed"]
 
 
 @pytest.fixture(params=CASES)
@@ -110,6 +111,10 @@ def pair(request) -> Pair:
     name = request.param
     if name.endswith("-small-rows"):  # every few-row product takes the transposed form, as it may on a real CPU
         return Pair(_model(name.removesuffix("-small-rows")), small_rows="transposed")
+    if name.endswith("-packed"):  # every product runs over oneDNN's packed weights, as it may on a real CPU
+        if small_rows.pack(torch.zeros(2, 2)) is None:
+            pytest.skip("this torch build packs no weights (no oneDNN)")
+        return Pair(_model(name.removesuffix("-packed")), small_rows="packed")
     return Pair(_model(name))
 
 
@@ -161,52 +166,97 @@ def test_trees_of_two_to_four_nodes_match_hf(pair, parents):
     assert pair.kv_difference() < TOL
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_takes_the_chosen_form_per_shape_and_rows_and_both_equal_f_linear(rows, bias, monkeypatch):
+def test_linear_takes_the_chosen_form_per_shape_and_rows_and_each_equals_f_linear(rows, bias, monkeypatch):
     torch.manual_seed(rows)
     weight, other = torch.randn(300, 256), torch.randn(256, 256)
     b = torch.randn(300) if bias else None
     x = torch.randn(1, rows, 256)
     want = torch.nn.functional.linear(x, weight, b)
     fast = FastLlama.for_layers([], LlamaConfig(hidden_size=256, num_attention_heads=4), rotary=None)
-    # Injected: the transposed form measured faster for 300x256 at 2 and 4 rows only.
-    fast.small_rows = small_rows.SmallRowChoice(frozenset({(300, 256, 2), (300, 256, 4)}), how="injected")
-    calls = []
-    real = small_rows.transposed_linear
-    monkeypatch.setattr(fast_llama, "transposed_linear", lambda *a: calls.append(a) or real(*a))
+    # Injected: the transposed form measured faster for 300x256 at 2 and 4 rows, the packed one at 3 and above 4.
+    forms = {(300, 256, 2): "transposed", (300, 256, 4): "transposed", (300, 256, 3): "packed",
+             (300, 256, small_rows.MANY): "packed"}
+    fast.small_rows = small_rows.SmallRowChoice(forms, how="injected")
+    packed = small_rows.pack(weight)
+    if packed is not None:
+        fast.packed = {id(weight): fast_llama._Packed(weight, packed, weight.data_ptr(), weight._version)}
+    calls = {"transposed": [], "packed": []}
+    for form in calls:
+        real = getattr(small_rows, f"{form}_linear")
+        monkeypatch.setattr(fast_llama, f"{form}_linear", lambda *a, real=real, form=form: calls[form].append(a) or real(*a))
     got = fast.linear(x, weight, b)
     assert got.shape == want.shape == (1, rows, 300) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    assert len(calls) == (1 if rows in (2, 4) else 0)
+    wanted = {"transposed": int(rows in (2, 4)), "packed": int(rows in (3, 5, 9) and packed is not None)}
+    assert {form: len(c) for form, c in calls.items()} == wanted
     fast.linear(torch.randn(rows, 256), other)  # another shape: never chosen, so F.linear
-    assert len(calls) == (1 if rows in (2, 4) else 0)
+    assert {form: len(c) for form, c in calls.items()} == wanted
     torch.testing.assert_close(small_rows.transposed_linear(x, weight, b), want, rtol=1e-5, atol=1e-4)
+    if packed is not None:
+        torch.testing.assert_close(small_rows.packed_linear(x, packed, b), want, rtol=1e-5, atol=1e-4)
 
 
-def test_the_choice_keeps_the_transposed_form_only_where_it_measured_faster():
-    timings = {(10, 8, 1): (1.0, 2.0), (10, 8, 2): (2.0, 1.0), (10, 8, 3): (1.5, 1.5), (4, 4, 2): (0.3, 0.1)}
-    assert small_rows.choose(timings) == {(10, 8, 2), (4, 4, 2)}  # a tie keeps F.linear
-    # On any machine, then, every product runs at most at F.linear's measured time.
+def test_a_weight_changed_after_packing_runs_f_linear_never_its_stale_copy():
+    weight = torch.randn(300, 256)
+    packed = small_rows.pack(weight)
+    if packed is None:
+        pytest.skip("this torch build packs no weights (no oneDNN)")
+    fast = FastLlama.for_layers([], LlamaConfig(hidden_size=256, num_attention_heads=4), rotary=None)
+    fast.small_rows = small_rows.SmallRowChoice({(300, 256, small_rows.MANY): "packed"}, how="injected")
+    fast.packed = {id(weight): fast_llama._Packed(weight, packed, weight.data_ptr(), weight._version)}
+    x = torch.randn(8, 256)
+    torch.testing.assert_close(fast.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
+    weight.mul_(2)  # in place: the packed copy no longer holds this weight
+    torch.testing.assert_close(fast.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
+    weight.data = torch.randn(300, 256)  # replaced, as model.to(...) does
+    torch.testing.assert_close(fast.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_the_choice_keeps_another_form_only_where_it_measured_faster_and_the_fastest_of_them():
+    timings = {
+        (10, 8, 1): {"linear": 1.0, "transposed": 2.0, "packed": 1.5},
+        (10, 8, 2): {"linear": 2.0, "transposed": 1.0, "packed": 1.5},
+        (10, 8, 3): {"linear": 1.5, "transposed": 1.5},  # a tie keeps F.linear
+        (10, 8, small_rows.MANY): {"linear": 3.0, "packed": 2.0},
+        (4, 4, 2): {"linear": 0.3, "transposed": 0.2, "packed": 0.1},
+    }
     chosen = small_rows.choose(timings)
-    assert all(min(a, b) == (b if k in chosen else a) for k, (a, b) in timings.items())
+    assert chosen == {(10, 8, 2): "transposed", (10, 8, small_rows.MANY): "packed", (4, 4, 2): "packed"}
+    # On any machine, then, every product runs at the fastest measured time, and never slower than F.linear.
+    assert all(forms[chosen.get(k, "linear")] == min(forms.values()) for k, forms in timings.items())
 
 
-def test_auto_measures_every_shape_at_one_to_four_rows_and_pins_are_named(monkeypatch):
+def test_auto_measures_every_shape_at_one_to_four_rows_and_many_and_pins_are_named(monkeypatch):
     model = tiny_causal_lm("llama", vocab_size=VOCAB, seed=1)
     target = sg.load_target(model, small_rows="auto", threads=1)
     shapes = {tuple(w.shape) for w in [model.lm_head.weight] + [
         m.weight for layer in model.model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
         layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]}
     choice = target.small_rows
-    assert set(choice.timings) == {(o, i, r) for o, i in shapes for r in range(1, small_rows.SMALL_ROWS + 1)}
-    assert choice.transposed == small_rows.choose(choice.timings) and "measured here" in choice.describe()
-    assert all(a > 0 and b > 0 for a, b in choice.timings.values())
+    rows = (*range(1, small_rows.SMALL_ROWS + 1), small_rows.MANY)
+    assert set(choice.timings) == {(o, i, r) for o, i in shapes for r in rows}
+    assert choice.forms == small_rows.choose(choice.timings) and "measured here" in choice.describe()
+    packs = small_rows.pack(model.lm_head.weight) is not None
+    for (o, i, r), timed in choice.timings.items():
+        assert set(timed) == {"linear"} | ({"transposed"} if r <= small_rows.SMALL_ROWS else set()) | ({"packed"} if packs else set())
+        assert all(t > 0 for t in timed.values())
+    # Packed copies are kept for exactly the shapes that take the packed form somewhere.
+    taken = {(o, i) for (o, i, _), form in choice.forms.items() if form == "packed"}
+    assert {tuple(p.weight.shape) for p in target.fast.packed.values()} == taken
     monkeypatch.setenv(small_rows.ENV, "transposed")
     pinned = sg.load_target(model, threads=1).small_rows
-    assert len(pinned.transposed) == len(choice.timings) and small_rows.ENV in pinned.describe()
+    assert set(pinned.forms.values()) == {"transposed"} and len(pinned.forms) == len(shapes) * small_rows.SMALL_ROWS
+    assert small_rows.ENV in pinned.describe()
+    if packs:
+        monkeypatch.setenv(small_rows.ENV, "packed")
+        target = sg.load_target(model, threads=1)
+        assert set(target.small_rows.forms.values()) == {"packed"} and len(target.small_rows.forms) == len(shapes) * len(rows)
+        assert len(target.fast.packed) == len({id(w) for w in model.parameters() if w.dim() == 2}) - (
+            model.lm_head.weight is not model.model.embed_tokens.weight)  # every product weight; not the embeddings
     monkeypatch.setenv(small_rows.ENV, "fastest")
-    with pytest.raises(ValueError, match="SPECGRAFT_SMALL_ROWS='fastest' must be one of auto, linear, transposed"):
+    with pytest.raises(ValueError, match="SPECGRAFT_SMALL_ROWS='fastest' must be one of auto, linear, transposed, packed"):
         sg.load_target(model, threads=1)
     with pytest.raises(ValueError, match="small_rows='fast'"):
         sg.load_target(model, small_rows="fast")
@@ -504,3 +554,17 @@ def test_packed_rows_match_hf_run_one_by_one(pair, layout):
             for got, want in zip(view.layer_kv(layer), hf_cache.layer_kv(layer)):
                 assert close(got, want)
         offset += segment.size
+
+
+def test_a_draft_model_beside_a_packed_target_packs_its_own_weights_and_keeps_the_greedy_output():
+    if small_rows.pack(torch.zeros(2, 2)) is None:
+        pytest.skip("this torch build packs no weights (no oneDNN)")
+    target = sg.load_target(tiny_causal_lm("llama", vocab_size=VOCAB, seed=1), small_rows="packed")
+    draft = sg.DraftModel(tiny_causal_lm("llama", vocab_size=VOCAB, seed=3), target)
+    own = {id(w) for w in draft.model.model.parameters()}
+    assert draft.model.fast.packed and set(draft.model.fast.packed) <= own  # its own weights, none of the target's
+    assert draft.model.small_rows is target.small_rows
+    prompt = [5, 17, 42, 8, 9, 60]
+    plain = sg.SpeculativeGenerator(target, None).generate(prompt, max_new_tokens=24).token_ids
+    drafted = sg.SpeculativeGenerator(target, draft, tree=sg.Chain(3)).generate(prompt, max_new_tokens=24).token_ids
+    assert drafted == plain and len(plain) == 24

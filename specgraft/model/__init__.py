@@ -5,7 +5,7 @@
 - `fast_llama`: `FastLlama`, the same maths as Llama, Mistral, Qwen2 and Qwen3
   without Hugging Face's per-call machinery.
 - `caches`: `KVCache`, `StaticKVCache` and `BatchedKVCache`, one protocol.
-- `small_rows`: which form each weight shape's few-row product takes, measured on this machine.
+- `small_rows`: which form each weight shape's product takes (F.linear, W @ x.T, packed), measured on this machine.
 """
 
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
-from specgraft.model.small_rows import SMALL_ROWS, SmallRowChoice, small_row_choice, transposed_linear
+from specgraft.model.small_rows import SmallRowChoice, key as product_key, pack, packed_linear, small_row_choice, transposed_linear
 from specgraft.model.staging import staged
 
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
@@ -262,6 +262,20 @@ class _Layer:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """A weight's packed copy, and what the weight was when packed: a weight changed since (in place, or by
+    ``model.to``) runs F.linear, never a stale copy."""
+
+    weight: torch.Tensor
+    packed: torch.Tensor
+    data_ptr: int
+    version: int
+
+    def of(self, weight: torch.Tensor) -> bool:
+        return weight is self.weight and weight.data_ptr() == self.data_ptr and weight._version == self.version
+
+
 def _layer(layer: nn.Module) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -322,6 +336,7 @@ class FastLlama:
         self.rotary = rotary
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, D) cos, signed sin
         self.small_rows = SmallRowChoice()  # F.linear everywhere until `choose_small_rows`
+        self.packed: dict[int, _Packed] = {}  # id(weight) -> its packed copy, for the shapes that take that form
         self._taps: dict[tuple[int, ...], frozenset[int]] = {(): frozenset()}  # see `taps`
 
     def taps(self, hidden_layers: tuple[int, ...]) -> frozenset[int]:
@@ -338,22 +353,48 @@ class FastLlama:
         return wanted
 
     def choose_small_rows(self, mode: str | None = None) -> SmallRowChoice:
-        """Measure (or pin, see `small_row_choice`) which form each of this model's weight shapes runs at few rows."""
+        """Measure (or pin, see `small_row_choice`) which form each of this model's weight shapes runs in, and keep
+        the packed copies of the shapes that take the packed form."""
+        weights = self._product_weights()
+        choice, packed = small_row_choice(weights, mode)
+        return self._keep(choice, weights, packed)
+
+    def share_small_rows(self, choice: SmallRowChoice) -> SmallRowChoice:
+        """Take another model's choice, measured on this machine (a draft model's shapes shared with its target take
+        the same forms), packing this model's own weights of the shapes it packs."""
+        weights = self._product_weights()
+        taken = {(o, i) for (o, i, _), form in choice.forms.items() if form == "packed"}
+        packed = {shape: [pack(w) for w in mats] for shape, mats in weights.items() if shape in taken}
+        return self._keep(choice, weights, {shape: p for shape, p in packed.items() if all(x is not None for x in p)})
+
+    def _product_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """Every weight this model multiplies by, once each (a tied lm_head is the embeddings), by shape."""
         weights: dict[tuple[int, int], list[torch.Tensor]] = {}
         mats = [self.lm_head] if self.lm_head is not None else []
         for layer in self.layers:
             mats += [layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down]
-        for w in mats:
+        for w in {id(w): w for w in mats}.values():
             weights.setdefault(tuple(w.shape), []).append(w)
-        self.small_rows = small_row_choice(weights, mode)
-        return self.small_rows
+        return weights
+
+    def _keep(self, choice: SmallRowChoice, weights: dict, packed: dict) -> SmallRowChoice:
+        self.small_rows = choice
+        self.packed = {id(w): _Packed(w, p, w.data_ptr(), w._version)
+                       for shape, packs in packed.items() for w, p in zip(weights[shape], packs)}
+        return choice
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear`` (x (..., K) @ weight (N, K).T + bias), or the same product as ``weight @ x.T`` where this
-        machine ran it faster for this shape and row count (`specgraft.model.small_rows`)."""
-        rows = x.numel() // x.shape[-1]
-        if rows <= SMALL_ROWS and (weight.shape[0], weight.shape[1], rows) in self.small_rows.transposed:
+        """``F.linear`` (x (..., K) @ weight (N, K).T + bias), or the same product in the form this machine ran
+        fastest for this shape and row count (`specgraft.model.small_rows`)."""
+        if not self.small_rows.forms:
+            return F.linear(x, weight, bias)
+        form = self.small_rows.forms.get(product_key(weight, x.numel() // x.shape[-1]))
+        if form == "transposed":
             return transposed_linear(x, weight, bias)
+        if form == "packed":
+            packed = self.packed.get(id(weight))
+            if packed is not None and packed.of(weight):
+                return packed_linear(x, packed.packed, bias)
         return F.linear(x, weight, bias)
 
     @classmethod

@@ -395,12 +395,13 @@ def load_target(
     faster than torch's default on a shared CPU); an int sets that many; None
     leaves torch's setting. ``gguf_file`` names a GGUF file in the directory to
     de-quantize and load (``pip install 'specgraft[gguf]'``) instead of
-    safetensors weights. ``small_rows`` says how the fast path multiplies a few
-    rows (a verified tree) by its weights: "auto" (default, or what the
-    ``SPECGRAFT_SMALL_ROWS`` environment variable says) times ``F.linear``
-    against ``weight @ x.T`` for each weight shape at 1-4 rows on this machine,
-    after the threads are set, and keeps the faster (`specgraft.model.small_rows`);
-    "linear" or "transposed" pins one form. The choice is ``target.small_rows``.
+    safetensors weights. ``small_rows`` says how the fast path multiplies rows
+    by its weights: "auto" (default, or what the ``SPECGRAFT_SMALL_ROWS``
+    environment variable says) times ``F.linear`` against ``weight @ x.T``
+    (at 1-4 rows) and oneDNN's packed weights for each weight shape on this
+    machine, after the threads are set, and keeps the fastest
+    (`specgraft.model.small_rows`); "linear", "transposed" or "packed" pins
+    one form. The choice is ``target.small_rows``.
 
     Raises:
         FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
