@@ -30,7 +30,9 @@ FINGERPRINT_ROWS = 64  # embedding rows hashed: enough to tell targets apart, ch
 
 
 def target_signature(target: Target) -> dict[str, Any]:
-    """What a head must match: sizes, and a fingerprint of evenly spaced rows of the input embedding."""
+    """What a head must match: sizes, and two fingerprints of evenly spaced rows of the input embedding: a hash of
+    their values (exact, for feature caches, which also record the dtype) and their norms (compared within
+    `NORM_RTOL`, so a head trained beside a float32 target loads beside the same target in bf16)."""
     weight = target.model.get_input_embeddings().weight.detach()
     rows = torch.linspace(0, weight.shape[0] - 1, FINGERPRINT_ROWS).long().unique()
     sample = weight[rows.to(weight.device)].float().cpu().contiguous()
@@ -40,17 +42,33 @@ def target_signature(target: Target) -> dict[str, Any]:
         "vocab_size": int(target.vocab_size),
         "num_hidden_layers": int(target.num_layers),
         "embedding_fingerprint": hashlib.sha256(sample.numpy().round(4).tobytes()).hexdigest()[:16],
+        "embedding_norms": [float(f"{n:.6g}") for n in sample.norm(dim=1).tolist()],
     }
 
 
+# Row norms of one embedding in float32 and bf16 differ by ~0.02% (bf16 rounds each value by up to 0.4%); two
+# different embeddings' 64 row norms all agreeing within 1% does not happen by chance.
+NORM_RTOL = 1e-2
+
+
 def check_target(signature: dict[str, Any], target: Target, where: str) -> None:
-    """Raise naming every field where ``target`` differs from the one a head was trained for."""
+    """Raise naming every field where ``target`` differs from the one a head was trained for.
+
+    Heads saved before the norms were recorded are checked by the exact hash, which differs between dtypes."""
     actual = target_signature(target)
     wrong = [
         f"{key}: head expects {signature[key]!r}, target has {actual[key]!r}"
-        for key in ("hidden_size", "vocab_size", "num_hidden_layers", "embedding_fingerprint")
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers")
         if key in signature and signature[key] != actual[key]
     ]
+    norms = signature.get("embedding_norms")
+    if norms is not None and len(norms) == len(actual["embedding_norms"]):
+        same = torch.allclose(torch.tensor(norms), torch.tensor(actual["embedding_norms"]), rtol=NORM_RTOL, atol=0.0)
+    else:
+        same = signature.get("embedding_fingerprint", actual["embedding_fingerprint"]) == actual["embedding_fingerprint"]
+    if not same:
+        wrong.append(f"embedding_fingerprint: head expects {signature.get('embedding_fingerprint')!r}, target has "
+                     f"{actual['embedding_fingerprint']!r} (another embedding)")
     if wrong:
         raise ValueError(
             f"{where} was trained for target {signature.get('name')!r}, not {actual['name']!r}: " + "; ".join(wrong)

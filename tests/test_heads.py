@@ -196,6 +196,25 @@ def test_head_on_a_different_target_is_refused(tiny_target, tmp_path):
         load_drafter(tmp_path / "head", wider)
 
 
+def test_a_head_saved_beside_a_float32_target_loads_beside_the_same_target_in_bf16(tmp_path):
+    model = tiny_causal_lm("llama", vocab_size=97, seed=3)
+    save_head(build_head(EagleConfig(), sg.load_target(model)), tmp_path / "head", sg.load_target(model))
+    bf16 = sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=3), dtype="bfloat16")
+    drafter = load_drafter(tmp_path / "head", bf16)
+    assert next(drafter.head.parameters()).dtype == torch.bfloat16
+    other = sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=4), dtype="bfloat16")
+    with pytest.raises(ValueError, match="embedding_fingerprint: .* \\(another embedding\\)"):
+        load_drafter(tmp_path / "head", other)
+    # A head saved before the norms were recorded is checked by its exact hash, which a bf16 cast changes.
+    sidecar = next(p for p in (tmp_path / "head").iterdir() if p.suffix == ".json" and "target" in p.read_text())
+    meta = json.loads(sidecar.read_text())
+    del meta["target"]["embedding_norms"]
+    sidecar.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="embedding_fingerprint"):
+        load_drafter(tmp_path / "head", bf16)
+    assert load_drafter(tmp_path / "head", sg.load_target(tiny_causal_lm("llama", vocab_size=97, seed=3))) is not None
+
+
 def test_bad_head_directories_name_the_file(tiny_target, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_drafter(tmp_path / "nope", tiny_target)
