@@ -93,3 +93,70 @@ def test_eagle_on_cuda_equals_hf_greedy_within_the_sync_budgets(cuda_stories, tr
         assert out.token_ids == hf_greedy(cuda_stories, ids, n)
     assert_syncs(cuda_stories, PLAIN_SYNCS)
     assert_syncs(cuda_stories, CHAIN_SYNCS, {"eagle": eagle}, drafter="eagle", tree=policy)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 24], ids=["full-vocab", "draft-vocab"])
+def test_eagle3_on_cuda_equals_hf_greedy(cuda_stories, dev_prompts, draft_vocab):
+    """EAGLE-3's three taps, fused on the device, its 2H-input layer and (reduced) vocabulary, drafting dynamic trees
+    for a batch: HF's greedy tokens (an untrained head drafts badly; exactness does not depend on it)."""
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import Eagle3Config
+
+    torch.manual_seed(0)
+    head = build_head(Eagle3Config(draft_vocab_size=draft_vocab), cuda_stories).eval()
+    gen = sg.SpeculativeGenerator(cuda_stories, as_drafter(head, cuda_stories), tree=sg.DynamicTree(top_k=3, depth=4, budget=12))
+    prompts = [cuda_stories.encode(p) for p in dev_prompts[:6]]
+    budgets = [40, 17, 33, 48, 9, 25]
+    for ids, n, out in zip(prompts, budgets, gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())):
+        assert out.token_ids == hf_greedy(cuda_stories, ids, n)
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
+def test_bf16_speculation_on_cuda_equals_the_engines_own_bf16_greedy(trained_eagle, dev_prompts, tree):
+    """A bf16 target with the trained EAGLE head (cast to bf16 at load): speculative rows give exactly the tokens
+    plain decoding of the same bf16 target gives, one row and a batch."""
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found)")
+    target = sg.load_target(STORIES, device="cuda", dtype="bfloat16")
+    eagle = sg.load_drafter(trained_eagle, target)
+    assert next(eagle.head.parameters()).dtype == torch.bfloat16
+    prompts = [target.encode(p) for p in dev_prompts[:6]]
+    budgets = [40, 17, 33, 48, 9, 25]
+    plain = sg.SpeculativeGenerator(target, None).generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())
+    spec = sg.SpeculativeGenerator(target, eagle, tree=sg.parse_tree_spec(tree))
+    batched = spec.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())
+    for ids, n, want, got in zip(prompts, budgets, plain, batched):
+        assert got.token_ids == want.token_ids
+        assert spec.generate(ids, max_new_tokens=n, eos_token_id=()).token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
+def test_a_chain_accepted_on_cuda_commits_the_targets_law(sampled):
+    """`sample_accept_chain` with p, q, the tree and the RNG on the GPU, against the rule's law enumerated over every
+    draft (tests/test_verify.py's test on the CPU, fewer draws)."""
+    from collections import Counter
+
+    from test_verify import chain_law, make_tree
+
+    from specgraft.infer.verify import sample_accept_chain
+    from specgraft.tools.exactness import fit
+    from specgraft.tree import Sampling, Tree
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, drafted = 4, [1, 3, 0]
+    p = torch.softmax(torch.randn(4, vocab, generator=gen) * 1.5, -1)
+    q = torch.cat([torch.zeros(1, vocab), torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)]) if sampled else None
+    law = chain_law(p, q, drafted)
+    sampling = Sampling(temperature=1.0).seeded(7, device="cuda")
+    draft_rng = torch.Generator().manual_seed(8)
+    counts = Counter()
+    for _ in range(6000):
+        xs = [int(torch.multinomial(q[i + 1], 1, generator=draft_rng)) for i in range(3)] if sampled else drafted
+        tree = make_tree([-1, 0, 1, 2], [2] + xs)
+        tree = Tree(tree.tokens.cuda(), tree.parents.cuda(), tree.depth.cuda(), tree.scores.cuda(),
+                    None if q is None else q.cuda())
+        row = sample_accept_chain(tree, p.cuda(), sampling, width=6).tolist()
+        count = row[0]
+        counts[tuple(xs[: count - 1]) + (row[1],)] += 1
+    result = fit(counts, law)
+    assert result.passed, result
