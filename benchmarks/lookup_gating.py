@@ -17,7 +17,11 @@ likeliest first token.
 
 Both methods' text is the target's greedy output, so the two runs differ only
 in where each speculated; the settled proposals show whether the steps the
-controller skipped were the poor ones.
+controller skipped were the poor ones. Steps are watched through the
+scheduler's step-observer hook (`specgraft.infer.StepObserver`); each method
+runs its rows one at a time on a scheduler of its own, as `generate_batch`
+does (a closed batch). A step's time includes the side proposals, which run
+inside it.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import time
 from collections import defaultdict
 
 import specgraft as sg
-from specgraft.tools.prompts import encode_prompt, read_prompt_file
 from specgraft.heads.prompt_lookup import PromptLookupState
+from specgraft.infer import Committed, Drafted, StepObserver, Stepped
+from specgraft.tools.prompts import encode_prompt, read_prompt_file
 
 
 def reached(history: list[int], position: int, tree: sg.Tree) -> int:
@@ -44,6 +49,20 @@ def reached(history: list[int], position: int, tree: sg.Tree) -> int:
     return best
 
 
+def generate(sched: sg.Scheduler, prompt: list[int], max_new_tokens: int) -> sg.GenerationOutput:
+    """One row to its end, as `generate_batch` runs a batch of one (a closed batch)."""
+    sched.closed = True
+    sched.submit(prompt, max_new_tokens, eos_token_id=())
+    output = None
+    while not sched.idle:
+        for event in sched.step():
+            if isinstance(event, sg.Failed):
+                raise event.error
+            if isinstance(event, sg.Finished):
+                output = event.output
+    return output
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
@@ -56,8 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     target = sg.load_target(args.target, threads=args.threads)
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts)][: args.limit]
+    max_len = min(max(map(len, prompts)) + args.max_new_tokens, target.max_context)
     methods = {"prompt-lookup": sg.SpeculativeGenerator(target, sg.PromptLookup()),
                "prompt-lookup adaptive": sg.SpeculativeGenerator(target, sg.PromptLookup(), tree=sg.Adaptive())}
+    methods = {name: gen.scheduler(max_batch_size=1, max_len=max_len) for name, gen in methods.items()}
 
     # Per step: the method, whether a tree was verified, seconds, nodes, tokens accepted; the trie's evidence.
     arm: list[str] = [""]
@@ -80,36 +101,41 @@ def main() -> None:
         return found
 
     PromptLookupState._continuations, PromptLookupState._longest_match = continuations_seen, match_seen
-    advance, draft = sg.Scheduler._advance, sg.Scheduler._draft
 
-    def advance_timed(self, live, events):
-        accepted, nodes = self.counters.accepted_tokens, self.counters.draft_tokens
-        start = time.perf_counter()
-        advance(self, live, events)
-        seconds = time.perf_counter() - start
-        tree = self.counters.draft_tokens > nodes
-        row = steps[(arm[0], tree)]
-        row[0] += 1
-        row[1] += seconds
-        row[2] += self.counters.draft_tokens - nodes
-        row[3] += self.counters.accepted_tokens - accepted
-        if tree and arm[0] == "prompt-lookup":
-            evidence[match[0]][0] += 1
-            evidence[match[0]][1] += self.counters.accepted_tokens - accepted
+    class Watch(StepObserver):
+        """Each step into ``steps`` (the fixed trie's also into ``evidence``); adaptive's skipped proposals into
+        ``side``."""
 
-    def draft_and_look(self, live, events):
-        trees = draft(self, live, events)
-        if arm[0] == "prompt-lookup adaptive":
-            for request in live:
-                if request.draft is not None and request.handle in trees and not request.drafted:
-                    proposed = request.draft.propose(request.root, None, request.draft.lookup.num_tokens)
-                    side.append((len(request.cache), proposed))
-        return trees
+        nodes = accepted = 0  # the step's draft nodes verified and tokens accepted
 
-    sg.Scheduler._advance, sg.Scheduler._draft = advance_timed, draft_and_look
-    for name, gen in methods.items():  # warm-up
-        arm[0] = name
-        gen.generate_batch(prompts[:2], max_new_tokens=8, eos_token_id=())
+        def drafted(self, step: Drafted) -> None:
+            if arm[0] == "prompt-lookup adaptive":
+                for request in step.rows:  # (their state before this step's commit)
+                    if request.draft is not None and not request.drafted:
+                        proposed = request.draft.propose(request.root, None, request.draft.lookup.num_tokens)
+                        side.append((len(request.cache), proposed))
+
+        def committed(self, step: Committed) -> None:
+            self.nodes = sum(row.draft_tokens for row in step.rows)
+            self.accepted = sum(row.accepted for row in step.rows)
+
+        def stepped(self, step: Stepped) -> None:
+            tree = self.nodes > 0
+            row = steps[(arm[0], tree)]
+            row[0] += 1
+            row[1] += step.seconds
+            row[2] += self.nodes
+            row[3] += self.accepted
+            if tree and arm[0] == "prompt-lookup":
+                evidence[match[0]][0] += 1
+                evidence[match[0]][1] += self.accepted
+            self.nodes = self.accepted = 0
+
+    for name, sched in methods.items():
+        sched.add_observer(Watch())
+        arm[0] = name  # warm-up
+        for prompt in prompts[:2]:
+            generate(sched, prompt, 8)
     steps.clear()
     evidence.clear()
     # adaptive's steps without a tree where lookup matched: steps, tokens it would have accepted, nodes
@@ -122,7 +148,7 @@ def main() -> None:
                 arm[0] = name
                 side.clear()
                 start = time.perf_counter()
-                out = methods[name].generate_batch([prompt], max_new_tokens=args.max_new_tokens, eos_token_id=())[0]
+                out = generate(methods[name], prompt, args.max_new_tokens)
                 wall[name] += time.perf_counter() - start
                 tokens[name] += len(out.token_ids)
                 history = list(prompt) + list(out.token_ids)

@@ -3,23 +3,28 @@
     python benchmarks/step_overhead.py --target ../shared/models/stories260K \
         --drafter runs/eagle-stories260k/head --tree chain:4 --batch-sizes 1,16
 
-Each part of `Scheduler.step` is timed by wrapping the function that does it:
-``draft`` is `Scheduler._draft` (every row's tree, batch drafters once per
-drafter); ``verify inputs`` is `Scheduler._verify` less the target's forward
-inside it (segments, masks, packing); ``forward`` is the target forward that
-verifies (`Target.forward_packed`, or `Target.forward` for one row);
-``commit`` is `Scheduler._commit` (acceptance, KV commits, drafter commits,
-stop rules, stats, events). "other" is the step's remaining time: the
-scheduler's own Python. "beyond forward+draft" is everything but the forward
-and the draft: the engine's per-step cost. Figures are per step, medians over
-steps; prefill steps (a row joining) are left out.
+Each part of `Scheduler.step` is read from the scheduler's step-observer hook
+(`specgraft.infer.StepObserver`): ``draft`` is `Drafted.seconds` (every row's
+tree, batch drafters once per drafter, the goodput controller's plan
+included); ``forward`` is `Verified.forward_seconds`, the target forward(s)
+that verify (packed: the tokens' concatenation and `Target.forward_packed`;
+one row: its mask, positions and `Target.forward`); ``verify inputs`` is the
+rest of `Verified.seconds` (segments, masks, packing); ``commit`` is
+`Committed.seconds` (every row's commit: acceptance where not read for the
+batch at once, KV commits, drafter commits, stop rules, stats, events).
+"other" is the step's remaining time: the scheduler's own Python (the
+controller's selection and the batch's one acceptance read among it).
+"beyond forward+draft" is everything but the forward and the draft: the
+engine's per-step cost. Figures are per step, medians over steps; prefill
+steps (a row joining) are left out.
 
 With ``--tree adaptive`` the goodput controller's work (planning, selection,
 learning, its timings: every `GoodputController` call the scheduler makes)
-is also timed. It runs inside the parts above (planning in ``draft``,
-learning in ``commit``, selection in "other"), and mostly on the steps where
-a row drafts, so it is reported as a mean per step beside the medians: at
-batch 1 the steps without a tree would otherwise hide it.
+is also timed, by wrapping those public methods. It runs inside the parts
+above (planning in ``draft``, learning in ``commit``, selection in "other"),
+and mostly on the steps where a row drafts, so it is reported as a mean per
+step beside the medians: at batch 1 the steps without a tree would otherwise
+hide it.
 """
 
 from __future__ import annotations
@@ -32,43 +37,47 @@ from collections import defaultdict
 
 import specgraft as sg
 from specgraft.heads import drafter_from_spec
-from specgraft.infer import GoodputController
+from specgraft.infer import Committed, Drafted, GoodputController, StepObserver, Verified
 
 PARTS = ("draft", "verify inputs", "forward", "commit")
 # What the scheduler asks of the goodput controller (learning runs inside `observe_step`).
 CONTROLLER_CALLS = ("standing", "plan", "select", "observe_draft", "observe_step", "observe_times", "forget")
 
 
-def instrument(spent: dict[str, float]) -> None:
-    """Wrap each part's function so its time adds up into ``spent`` (forwards only while verifying)."""
-    verifying = [False]
+class StepParts(StepObserver):
+    """Each step's parts into ``spent``, as the scheduler tells them."""
 
-    def wrap(owner, name: str, part: str | None) -> None:
-        original = getattr(owner, name)
+    def __init__(self, spent: dict[str, float]) -> None:
+        self.spent = spent
+
+    def drafted(self, step: Drafted) -> None:
+        self.spent["draft"] += step.seconds
+
+    def verified(self, step: Verified) -> None:
+        self.spent["forward"] += step.forward_seconds
+        self.spent["verify inputs"] += step.seconds - step.forward_seconds
+
+    def committed(self, step: Committed) -> None:
+        self.spent["commit"] += step.seconds
+
+
+def time_the_controller(spent: dict[str, float]) -> None:
+    """Wrap the goodput controller's methods the scheduler calls, so that their time adds up into ``spent``."""
+
+    def wrap(name: str) -> None:
+        original = getattr(GoodputController, name)
 
         def timed(*args, __original=original, **kwargs):
-            if part is None and not verifying[0]:
-                return __original(*args, **kwargs)
-            key = part or "forward"
-            if part == "verify inputs":
-                verifying[0] = True
             start = time.perf_counter()
             try:
                 return __original(*args, **kwargs)
             finally:
-                spent[key] += time.perf_counter() - start
-                if part == "verify inputs":
-                    verifying[0] = False
+                spent["controller"] += time.perf_counter() - start
 
-        setattr(owner, name, timed)
+        setattr(GoodputController, name, timed)
 
-    wrap(sg.Scheduler, "_draft", "draft")
-    wrap(sg.Scheduler, "_verify", "verify inputs")
-    wrap(sg.Scheduler, "_commit", "commit")
-    wrap(sg.Target, "forward", None)
-    wrap(sg.Target, "forward_packed", None)
     for name in CONTROLLER_CALLS:
-        wrap(GoodputController, name, "controller")
+        wrap(name)
 
 
 def main() -> None:
@@ -87,10 +96,11 @@ def main() -> None:
     gen = sg.SpeculativeGenerator(target, drafter_from_spec(args.drafter, target), tree=sg.parse_tree_spec(args.tree))
     gen.generate_batch(prompts[:2], max_new_tokens=8)  # warm-up
     spent: dict[str, float] = defaultdict(float)
-    instrument(spent)
+    time_the_controller(spent)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         sched = gen.scheduler(max_batch_size=b)
+        sched.add_observer(StepParts(spent))
         for prompt in prompts[:b]:
             sched.submit(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=())
         sched.step()  # prefills
@@ -100,7 +110,6 @@ def main() -> None:
             start = time.perf_counter()
             sched.step()
             total = time.perf_counter() - start
-            spent["verify inputs"] -= spent["forward"]  # the forward ran inside _verify
             for part in PARTS:
                 per_step[part].append(spent[part])
             per_step["other"].append(total - sum(spent[p] for p in PARTS))

@@ -5,6 +5,7 @@ The HTTP server over it is `specgraft.infer.serve`, which this package never imp
 from specgraft.infer.adaptive import GoodputController, TreeChoice, interpolate, size_tree
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options
+from specgraft.infer.observer import Committed, Drafted, RowCommit, StepObserver, Stepped, Verified
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats, percentile, quartiles
@@ -15,6 +16,8 @@ __all__ = [
     "NO_DRAFTER",
     "Acceptance",
     "AcceptRule",
+    "Committed",
+    "Drafted",
     "EngineCounters",
     "Event",
     "Failed",
@@ -23,12 +26,16 @@ __all__ = [
     "GenerationStats",
     "GoodputController",
     "PromptIds",
+    "RowCommit",
     "Scheduler",
     "SpeculativeGenerator",
+    "StepObserver",
+    "Stepped",
     "StopRule",
     "StreamChunk",
     "Tokens",
     "TreeChoice",
+    "Verified",
     "check_prompt",
     "greedy_accept",
     "interpolate",

@@ -64,7 +64,7 @@ class Request:
     # cache catches up on in its next round, which the goodput controller's draft cost reads.
     behind: int = 0
     # Commits of the root alone not given to its draft state yet: its row's index in the scheduler's held states,
-    # and the root, of each; given as one commit when it next drafts (see `Scheduler._hold`).
+    # and the root, of each; given as one commit when it next drafts (see `specgraft.infer.held`).
     deferred: list[int] = field(default_factory=list)
     deferred_roots: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)

@@ -22,6 +22,12 @@ One step:
    cache row and its drafter keep only that path, its stop rule cuts the
    tokens, and a `Tokens` event reports them.
 
+Observers (`add_observer`, `specgraft.infer.observer`) are told what each of
+the three did and, last, that the step is done: measurements and /metrics read
+the step there. `step` itself is admit, advance, leave: queued generations
+take free rows (`_admit`), the running ones take one step (`_advance`), and
+those that finished leave (`_leave_finished`).
+
 Memory is allocated once, at construction: the KV pool (rows x kv heads x
 slots x head_dim per layer, a length per row) and one draft pool per loaded
 `BatchDrafter`, whatever the number of drafter or tree settings requests use.
@@ -36,15 +42,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
+from specgraft.infer.adaptive import Candidate, GoodputController
 from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
-from specgraft.infer.adaptive import Candidate, GoodputController
+from specgraft.infer.held import HeldStates
+from specgraft.infer.observer import Committed, Drafted, RowCommit, StepObserver, StepObservers, Stepped, Verified
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
     Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
@@ -58,8 +66,8 @@ T = TypeVar("T")
 DEFAULT_MAX_LEN = 4096
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
 # Bytes of forwards' states held for rows' draft states (their commits of the root alone) before every row gives what
-# it kept and the forwards are let go (see `Scheduler._hold`): about 4,800 rows of SmolLM2's three EAGLE-3 taps in
-# float32, 64,000 of stories260K's one. Counted in rows (1,024), every row gave every 64 steps at batch 16: on
+# it kept and the forwards are let go (see `specgraft.infer.held`): about 4,800 rows of SmolLM2's three EAGLE-3 taps
+# in float32, 64,000 of stories260K's one. Counted in rows (1,024), every row gave every 64 steps at batch 16: on
 # stories260K, where an EAGLE row never drafts there, 9 us a step of the 40 its rows cost beyond plain decoding.
 HELD_BYTES = 32 * 2**20
 # ... or rows, whichever comes first: a drafter that reads no states (prompt lookup) holds no bytes, yet its rows' kept
@@ -119,6 +127,58 @@ class Chosen:
     next_tensor: torch.Tensor
 
 
+@dataclass(slots=True)
+class RowForward:
+    """A row's part of its step's verification forward (see `Scheduler._verify`)."""
+
+    logits: torch.Tensor  # (N_r, V) at the row's tree nodes
+    hidden: dict[int, torch.Tensor]  # layer -> its forward's states: every packed row's (N, H), or one row's (1, N, H)
+    start: int  # the row's first node there (see `_row_states`)
+
+
+@dataclass(frozen=True)
+class PackedForward:
+    """The step's packed forward, which greedy rows accept from together (see `Scheduler._choose_together`)."""
+
+    logits: torch.Tensor  # (N, V)
+    tokens: torch.Tensor  # (N,) every row's tree tokens, one row after another
+    handles: list[int]  # its rows, in order
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows accepted together in one result of `Scheduler._choose_together`'s one read: ``width`` 0, each row's next
+    token alone (roots alone); else `greedy_accept_packed`'s rows of ``2 + 2 * width`` values."""
+
+    result: torch.Tensor
+    handles: list[int]
+    width: int
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """A timed step as the goodput controller learns from it, told at a later step's start (see
+    `Scheduler._tell_timings`), once its work beyond its forward and drafting is done."""
+
+    begun: float  # its start (perf_counter)
+    rows: int  # rows it advanced
+    drafted: int  # of them, rows that verified a tree
+    busy: float  # seconds of its forward and drafting
+    changes: int  # rows joined and left before it (`Scheduler._changes` then)
+    forward_tokens: int  # its forward's tokens (0: Hugging Face's forward, row by row, not timed as one)
+    forward_seconds: float
+    masked: bool  # its forward paid for trees (a mask; packed, rows leaving the one-token call)
+    ended: float = 0.0  # the next step's start
+    changes_after: int = -1  # rows joined and left before the next step began
+
+    def overhead(self) -> float | None:
+        """Its work beyond its forward and drafting (at most `OVERHEAD_CLIP` times them); None if a row joined or
+        left before the next step (a prefill is no step's work)."""
+        if self.changes_after != self.changes:
+            return None
+        return min(self.ended - self.begun - self.busy, OVERHEAD_CLIP * self.busy)
+
+
 class Scheduler:
     """Runs many generations step by step, each with its own drafter, tree and options.
 
@@ -143,6 +203,8 @@ class Scheduler:
         while not sched.idle:
             for event in sched.step():          # Tokens, then Finished (or Failed), per generation
                 ...
+
+    Measurements and metrics watch the steps through `add_observer`, never by wrapping the methods below.
     """
 
     def __init__(
@@ -179,31 +241,19 @@ class Scheduler:
         self.counters = EngineCounters()
         self.controller: GoodputController | None = None  # made when a request first asks for an Adaptive tree
         self.closed = closed
+        self.observers = StepObservers()  # told what each step did (see `add_observer`)
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
         self._forward_tokens = 0  # the tokens of that forward, where it was one (0: Hugging Face's, row by row)
         self._forward_masked = False  # that forward paid for trees (a mask; packed, rows leaving the one-token call)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
         self._draft_seconds = 0.0  # the last step's drafting on this thread's CPU clock, which the controller prices apart
-        # (start, rows, rows verifying a tree, its forward and drafting seconds, `_changes` then, its forward's tokens,
-        # seconds and masking) of the last step, observed at the next step's start: its work beyond the forward and
-        # drafting is timed then, if no row joined or left between (a prefill is no step's work).
-        self._last_step: tuple[float, int, int, float, int, int, float, bool] | None = None
-        self._timings: list[tuple[float, int, tuple]] = []  # (start, `_changes` then, `_last_step`) of steps timed since
+        # The last step, timed, until the next step's start: its work beyond the forward and drafting is timed then
+        self._last_step: StepTiming | None = None
+        self._timings: list[StepTiming] = []  # steps timed since the controller was last told (`_tell_timings`)
         self._changes = 0  # rows joined and left so far
-        # The hidden states of the forwards whose roots rows keep for their draft states (see `_hold`): each forward's
-        # (layer -> (N, H) or (1, N, H), N), its states None once joined; their rows so far (a kept root's index, all
-        # joined, is the rows before its forward's plus its start there) and bytes; the last one held; and their join
-        # (see `_held_states`): layer -> (capacity, H) buffer, the forwards and rows in it.
-        self._held: list[tuple[dict[int, torch.Tensor] | None, int]] = []
-        self._held_rows = self._held_base = 0
-        self._held_bytes = 0
-        self._held_last: dict[int, torch.Tensor] | None = None
-        self._joined: dict[int, torch.Tensor] = {}
-        self._joined_forwards = self._joined_rows = 0
-        self._holding = 0  # rows that kept roots not given yet: none, and the held forwards are let go
+        self._held = HeldStates()  # the forwards whose roots rows keep for their draft states (`specgraft.infer.held`)
         self._next_handle = 0
-        # The last packed forward's (logits (N, V), tokens (N,), its rows' handles in order); None: row by row
-        self._packed: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._packed: PackedForward | None = None  # the last step's packed forward (None: row by row)
 
     # ------------------------------------------------------------------ the pool
 
@@ -233,6 +283,21 @@ class Scheduler:
     def draft_pool_bytes(self) -> int:
         """Bytes of the loaded batch drafters' draft pools."""
         return sum(p.nbytes for p in self.draft_pools.values() if p is not None)
+
+    # ------------------------------------------------------------------ observers
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Tell ``observer`` what each step does from the next step on: its `drafted`, `verified`, `committed` and
+        `stepped` (see `specgraft.infer.observer`).
+
+        Raises:
+            TypeError: an object that does not subclass `StepObserver`.
+        """
+        self.observers.add(observer)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        """Stop telling ``observer`` (ValueError if it was never added)."""
+        self.observers.remove(observer)
 
     # ------------------------------------------------------------------ requests
 
@@ -315,27 +380,29 @@ class Scheduler:
         drafter failing on its input, say): it leaves, the others go on.
         """
         events: list[Event] = []
+        self._admit(events)
+        live = [r for r in self.running.values() if not r.rule.done]
+        if live:
+            begun = time.perf_counter()
+            rows = self._advance(live, events, begun)
+            if self.observers:
+                self.observers.stepped(Stepped(self.counters.steps, rows, time.perf_counter() - begun))
+        self._leave_finished(events)
+        if not self.running:  # idle: the controller has heard of every step it timed, and no state is held
+            if self._timings:
+                self._tell_timings()
+            self._held.let_go()
+        return events
+
+    # ------------------------------------------------------------------ admit
+
+    def _admit(self, events: list[Event]) -> None:
+        """Queued generations take the free rows, first come first served, each with its prefill."""
         while self.queued and len(self.running) < self.max_batch_size:
             request = self.queued.popleft()
             self.running[request.handle] = request
             self._changes += 1
             self._isolated(request, events, lambda: self._prefill(request, events))
-        live = [r for r in self.running.values() if not r.rule.done]
-        if live:
-            self._advance(live, events)
-        for request in list(self.running.values()):
-            if request.rule.done:
-                self._leave(request)
-                output = GenerationOutput(
-                    request.token_ids, continuation_text(self.target.decode, request.text_context, request.token_ids),
-                    request.recorder.finish(),
-                )
-                events.append(Finished(request.handle, output))
-        if not self.running:  # idle: the controller has heard of every step it timed, and no state is held
-            if self._timings:
-                self._tell_timings()
-            self._let_go_held()
-        return events
 
     def _prefill(self, request: Request, events: list[Event]) -> None:
         """Take rows and run the prompt; the target's choice after it is the root (the first token)."""
@@ -363,23 +430,28 @@ class Scheduler:
         request.recorder.observe_kv(len(request.cache))
         self._emit(request, request.rule.accept([request.root]), events)
 
-    def _advance(self, live: list[Request], events: list[Event]) -> None:
-        """One speculative step for every live row: draft, one verification forward, per-row commits."""
-        begun = time.perf_counter()
+    # ------------------------------------------------------------------ advance
+
+    def _advance(self, live: list[Request], events: list[Event], begun: float) -> int:
+        """One speculative step for every live row, begun at ``begun``: draft, one verification forward, per-row
+        commits; the observers are told at each. Returns the rows that reached verification."""
         last, self._last_step = self._last_step, None
         if last is not None:  # the last step, timed now that its work beyond the forward and drafting is done
-            self._timings.append((begun, self._changes, last))
+            self._timings.append(replace(last, ended=begun, changes_after=self._changes))
             if len(self._timings) >= TIMINGS_TOLD_EVERY:
                 self._tell_timings()
         self.counters.steps += 1
+        step, observers = self.counters.steps, self.observers
         for request in live:
             request.recorder.begin_step()
         self._draft_seconds = 0.0
         timed = self.controller is not None and self.controller.cost is not None
+        draft_from = time.perf_counter()
         trees = self._draft(live, events)
+        drafting = time.perf_counter() - draft_from
         live = [r for r in live if r.handle in trees]
         if not live:
-            return
+            return 0
         self._forward_seconds, self._forward_tokens, self._forward_masked = 0.0, 0, False
         drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
@@ -388,31 +460,44 @@ class Scheduler:
                 trees = self.controller.select([Candidate(r.handle, r.drafter, trees[r.handle], r.adaptive) for r in live])
                 self.counters.adaptive_selected = self.controller.selected_last
                 drafted = [r for r in drafted if trees[r.handle].num_nodes > 1]
+        if observers:
+            observers.drafted(Drafted(step, tuple(live), trees, self.counters.adaptive_selected, drafting))
         prefixes = {r.handle: len(r.cache) for r in live}
+        forwards, verify_from = self.counters.verify_forwards, time.perf_counter()
         verified = self._verify(live, trees, prefixes, events)
+        if observers:
+            tokens = sum(trees[h].num_nodes for h in verified)
+            observers.verified(Verified(step, self.counters.verify_forwards - forwards, tokens,
+                                        time.perf_counter() - verify_from, self._forward_seconds))
         chosen = self._choose_together([r for r in live if r.handle in verified], trees, verified)
+        commit_from, commits = time.perf_counter(), []
         for request in live:
             if request.handle in verified:
-                logits, hidden, start = verified[request.handle]
-                tree, prefix = trees[request.handle], prefixes[request.handle]
-                self._isolated(request, events, lambda: self._commit(
-                    request, tree, prefix, logits, hidden, start, events, chosen.get(request.handle)))
-        if self._held_bytes >= HELD_BYTES or self._held_rows >= HELD_ROWS:  # every row gives what it kept: let go
+                forward, tree, prefix = verified[request.handle], trees[request.handle], prefixes[request.handle]
+                commit = self._isolated(request, events, lambda: self._commit(
+                    request, tree, prefix, forward, events, chosen.get(request.handle)))
+                if commit is not None:  # (None too where no one observes)
+                    commits.append(commit)
+        if observers:
+            observers.committed(Committed(step, tuple(commits), time.perf_counter() - commit_from))
+        if self._held.bytes >= HELD_BYTES or self._held.rows >= HELD_ROWS:  # every row gives what it kept: let go
             self._give_held(events)
-        if timed and (drafted or self.counters.steps % UNDRAFTED_TIMED_EVERY == 0):
+        if timed and (drafted or step % UNDRAFTED_TIMED_EVERY == 0):
             # (a step that timed the target's cost curve, seconds once per target, is no step's work) observed from
             # the next step's start (see `_tell_timings`): its forward (where it was one: Hugging Face's, row by
             # row, is not timed as one) and, if no row joined or left between, its work beyond
-            self._last_step = (begun, len(live), len(drafted), self._forward_seconds + self._draft_seconds,
-                               self._changes, self._forward_tokens, self._forward_seconds, self._forward_masked)
+            busy = self._forward_seconds + self._draft_seconds
+            self._last_step = StepTiming(begun, len(live), len(drafted), busy, self._changes, self._forward_tokens,
+                                         self._forward_seconds, self._forward_masked)
+        return len(live)
 
     def _tell_timings(self) -> None:
         """Tell the controller the steps timed so far (see `TIMINGS_TOLD_EVERY`), in order: each one's forward and, if
         no row joined or left before the next step began, its work beyond its forward and drafting."""
         timings, self._timings = self._timings, []
-        for begun, changes_now, (started, rows, drafted, busy, changes, tokens, forward, masked) in timings:
-            overhead = min(begun - started - busy, OVERHEAD_CLIP * busy) if changes == changes_now else None
-            self.controller.observe_times(tokens, forward, masked, rows, drafted, overhead)
+        for step in timings:
+            self.controller.observe_times(step.forward_tokens, step.forward_seconds, step.masked, step.rows,
+                                          step.drafted, step.overhead())
 
     def _draft(self, live: list[Request], events: list[Event]) -> dict[int, Tree]:
         """Each row's tree: batch drafters once per drafter for all their rows, other drafters row by row."""
@@ -520,10 +605,10 @@ class Scheduler:
 
     def _verify(
         self, live: list[Request], trees: dict[int, Tree], prefixes: dict[int, int], events: list[Event]
-    ) -> dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]]:
-        """Every live row's (logits (N_r, V), hidden layer -> its forward's states, the row's first node there) at
-        its tree's nodes: the states of every row of a packed forward, (N, H), or the (1, N, H) output of a row
-        alone, which a row takes its part of only when it must (see `_row_states`).
+    ) -> dict[int, RowForward]:
+        """Every live row's part of the forward at its tree's nodes: its logits, and its forward's states (every row's
+        of a packed forward, (N, H), or the (1, N, H) output of a row alone), which a row takes its part of only when
+        it must (see `_row_states`).
 
         One forward over all rows, packed; a single row runs on its own cache row (the same maths without
         the packing); Hugging Face's forward runs each row on its own cache.
@@ -538,7 +623,7 @@ class Scheduler:
                     mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
                     out = self.target.forward(tree.tokens[None], request.cache, tree_position_ids(tree, prefix), mask,
                                               hidden_layers=request.hidden_layers)
-                    return out.logits[0], out.hidden, 0  # (1, N, H) each
+                    return RowForward(out.logits[0], out.hidden, 0)  # (1, N, H) each
 
                 self.counters.verify_forwards += 1
                 start = time.perf_counter()
@@ -560,7 +645,7 @@ class Scheduler:
         start = time.perf_counter()
         packed = torch.cat(tokens)
         out = self.target.forward_packed(packed, self.pool, segments, torch.cat(positions), layers)
-        self._packed = (out.logits, packed, [r.handle for r in live])
+        self._packed = PackedForward(out.logits, packed, [r.handle for r in live])
         self._forward_seconds = time.perf_counter() - start
         self._forward_tokens = sum(s.size for s in segments)
         self._forward_masked = self._forward_tokens > len(segments)
@@ -568,11 +653,11 @@ class Scheduler:
         # are sliced only where it commits them now (see `_commit`)
         sizes = [s.size for s in segments]
         logits, starts = out.logits.split(sizes), itertools.accumulate(sizes, initial=0)
-        return {request.handle: (logits[k], out.hidden, start) for (k, request), start in zip(enumerate(live), starts)}
+        return {request.handle: RowForward(logits[k], out.hidden, start)
+                for (k, request), start in zip(enumerate(live), starts)}
 
     def _choose_together(
-        self, rows: list[Request], trees: dict[int, Tree],
-        verified: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor], int]],
+        self, rows: list[Request], trees: dict[int, Tree], verified: dict[int, RowForward]
     ) -> dict[int, Chosen]:
         """The accepted paths of every row that can be decided on the device together, read back in one copy: greedy
         rows without banned ids (`greedy_accept_packed`, every tree shape), sampled chains under the exact rule
@@ -588,60 +673,61 @@ class Scheduler:
         if not greedy and not roots and not chains:
             return {}
         try:
-            parts: list[tuple[torch.Tensor, list[int], int]] = []  # (result, its rows, width; 0: next tokens alone)
+            parts: list[Part] = []
             if greedy:
                 packed = self._packed
                 if packed is not None and len(greedy) > 1:  # the whole packed forward at once (its other rows unread)
-                    logits, tokens, order = packed
-                    group = [trees[h] for h in order]
-                    parts.append(_greedy_part(tokens, group, logits.argmax(-1), order))
+                    group = [trees[h] for h in packed.handles]
+                    parts.append(_greedy_part(packed.tokens, group, packed.logits.argmax(-1), packed.handles))
                 else:  # row by row (one row's forward, or Hugging Face's forward per row)
                     for r in greedy:
                         tree = trees[r.handle]
-                        parts.append(_greedy_part(tree.tokens, [tree], verified[r.handle][0].argmax(-1), [r.handle]))
+                        choice = verified[r.handle].logits.argmax(-1)
+                        parts.append(_greedy_part(tree.tokens, [tree], choice, [r.handle]))
             for r in chains:  # sampled chains, each under its own filters and RNG
                 tree = trees[r.handle]
-                result = accept_chain(tree, verified[r.handle][0], r.sampling, tree.num_nodes)
-                parts.append((result, [r.handle], tree.num_nodes))
-            picks = [_choose_one(r.sampling, verified[r.handle][0][0]) for r in roots]
-            flat = [part.flatten() for part, _, _ in parts] + picks
+                result = accept_chain(tree, verified[r.handle].logits, r.sampling, tree.num_nodes)
+                parts.append(Part(result, [r.handle], tree.num_nodes))
+            picks = [_choose_one(r.sampling, verified[r.handle].logits[0]) for r in roots]
+            flat = [part.result.flatten() for part in parts] + picks
             flat = flat[0] if len(flat) == 1 else torch.cat(flat)
             values = flat.tolist()  # the step's one read of the rows' choices
         except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
         chosen, at = {}, 0
         wanted.update(r.handle for r in chains)
-        for part, handles, width in parts:
+        for part in parts:
+            result, handles, width = part.result, part.handles, part.width
             size = 2 + 2 * width if width else 1
             for k, handle in enumerate(handles):
                 if handle not in wanted:
                     continue
                 row = values[at + k * size : at + (k + 1) * size]
                 if not width:  # a root alone: the row's choice is its next token
-                    chosen[handle] = Chosen(Acceptance(root_path(part.device), row[0]), [0], row, part[k : k + 1])
+                    chosen[handle] = Chosen(Acceptance(root_path(result.device), row[0]), [0], row, result[k : k + 1])
                     continue
                 count, next_token = row[0], row[1]
-                result = part.view(len(handles), size)
-                chosen[handle] = Chosen(Acceptance(result[k, 2 : 2 + count], next_token), row[2 : 2 + count],
-                                        row[3 + width : 2 + width + count] + [next_token], result[k, 1:2])
-            at += part.numel()
+                table = result.view(len(handles), size)  # a row a handle
+                chosen[handle] = Chosen(Acceptance(table[k, 2 : 2 + count], next_token), row[2 : 2 + count],
+                                        row[3 + width : 2 + width + count] + [next_token], table[k, 1:2])
+            at += result.numel()
         for request, pick in zip(roots, picks):
             chosen[request.handle] = Chosen(Acceptance(root_path(pick.device), values[at]), [0], [values[at]], pick)
             at += 1
         return chosen
 
     def _commit(
-        self, request: Request, tree: Tree, prefix: int, logits: torch.Tensor,
-        hidden: dict[int, torch.Tensor], start: int, events: list[Event], chosen: Chosen | None = None,
-    ) -> None:
+        self, request: Request, tree: Tree, prefix: int, forward: RowForward, events: list[Event],
+        chosen: Chosen | None = None,
+    ) -> RowCommit | None:
         """Accept a path of the verified tree, keep only it (target cache row and drafter), report its tokens.
-        ``hidden``: its forward's states; this row's begin at ``start`` (see `_verify`). ``chosen``: the path
-        where it was decided already (see `_choose_together`)."""
+        ``forward``: the row's part of the step's forward (see `_verify`). ``chosen``: the path where it was decided
+        already (see `_choose_together`). Returns what the row did, for the step's observers (None: none observe)."""
         if request.drafted:
             request.draft_kv = request.draft.cache_tokens()
         kv_peak = prefix + tree.num_nodes + request.draft_kv
         if chosen is None:
-            accepted = accept(tree, logits, request.sampling, request.acceptance)
+            accepted = accept(tree, forward.logits, request.sampling, request.acceptance)
             request.root_tensor = None
             listed = None
         else:
@@ -658,11 +744,8 @@ class Scheduler:
         committed = chosen.committed if chosen is not None else tokens[1:].tolist() + [accepted.next_token]
         if request.draft is not None:
             if whole and not request.drafted:  # the root alone, its drafter's state not needed before it drafts
-                if hidden is not self._held_last:  # the first row of this forward to keep its root (see `_hold`)
-                    self._hold(hidden, self._forward_tokens or tree.num_nodes)  # (Hugging Face's: a row a forward)
-                if not request.deferred:
-                    self._holding += 1
-                request.deferred.append(self._held_base + start)
+                rows = self._forward_tokens or tree.num_nodes  # its forward's (Hugging Face's: a row a forward)
+                request.deferred.append(self._held.keep(forward.hidden, rows, forward.start, not request.deferred))
                 request.deferred_roots.append(request.root)
             else:
                 self._give_deferred(request)
@@ -670,7 +753,7 @@ class Scheduler:
                 if on_host is not None:
                     on_host([request.root, *committed[:-1]])  # the path's tokens, read back with the step's choices
                 else:
-                    states = _row_states(hidden, request.hidden_layers, start, tree.num_nodes)
+                    states = _row_states(forward.hidden, request.hidden_layers, forward.start, tree.num_nodes)
                     request.draft.commit(tokens, states if whole else {i: h[path] for i, h in states.items()},
                                          accepted.path if request.drafted else None)
                 request.draft_kv = request.draft.cache_tokens()
@@ -682,64 +765,19 @@ class Scheduler:
         kept = request.rule.accept(committed)
         request.recorder.end_step(len(committed), len(kept), tree.num_draft_tokens, kv_peak)
         self._emit(request, kept, events)
-
-    def _hold(self, hidden: dict[int, torch.Tensor], rows: int) -> None:
-        """Keep a forward's states (over ``rows`` tokens) for the rows that keep their roots for their draft states.
-
-        A row that does not draft (its tree sized to nothing under load, most rows most steps) would otherwise pay
-        its draft state's commit every step: its states' views and a call. It keeps its root and its row's index in
-        the held states instead, two ints, and gives them all as one commit when it next drafts (every `DraftState`
-        keeps a run of commits as it keeps one commit of them all), its states gathered from the held forwards'
-        join in one indexing a layer. The forwards are let go once no row keeps a root, or after `HELD_BYTES` of
-        them or `HELD_ROWS` rows (every row then gives what it kept). EAGLE on stories260K, never drafting, over
-        plain (medians of paired blocks of steps): 26 us a step at batch 16 and 8 at batch 1, against 42-50 and 12
-        us keeping a tuple a row a step (its tokens, every row's states split apart, its row there), given 32 at a
-        time.
-        """
-        self._held.append((hidden, rows))
-        self._held_last = hidden
-        self._held_base = self._held_rows  # the rows before this forward's: a kept root's index is this plus its start
-        self._held_rows += rows
-        for states in hidden.values():
-            self._held_bytes += states.nbytes
-
-    def _held_states(self) -> dict[int, torch.Tensor]:
-        """The held forwards' states joined: layer -> (rows, H), a row's index there as kept (see `_hold`).
-
-        Each forward is copied into the join once, at the first give after it was held, and then let go: a give
-        copies only the forwards held since the last (joined anew at every give, a batch whose rows drafted now and
-        then copied every held row again each time). A forward without some layer (no row in it reads that layer)
-        leaves rows of nothing there, which no row reads."""
-        joined = self._joined
-        for k in range(self._joined_forwards, len(self._held)):
-            hidden, rows = self._held[k]
-            at = self._joined_rows
-            for i, h in hidden.items():
-                flat = h.reshape(rows, -1)
-                buffer = joined.get(i)
-                if buffer is None or buffer.shape[0] < at + rows:  # grown by doubling: a row is copied O(1) times
-                    grown = flat.new_empty(max(at + rows, 2 * (0 if buffer is None else buffer.shape[0])), flat.shape[1])
-                    if buffer is not None:
-                        grown[:at] = buffer[:at]
-                    joined[i] = buffer = grown
-                buffer[at : at + rows] = flat
-            self._held[k] = (None, rows)
-            self._joined_rows += rows
-        self._joined_forwards = len(self._held)
-        return joined
+        if not self.observers:
+            return None
+        return RowCommit(request.handle, tree.num_draft_tokens, len(committed) - 1, len(kept))
 
     def _give_deferred(self, request: Request) -> bool:
-        """Give the row's draft state the roots it kept (see `_hold`), joined into one commit; True."""
+        """Give the row's draft state the roots it kept (see `specgraft.infer.held`), joined into one commit; True."""
         rows, request.deferred = request.deferred, []
         roots, request.deferred_roots = request.deferred_roots, []
         if rows:
             on_host = getattr(request.draft, "commit_listed", None)  # (see `_commit`)
             if on_host is None:
-                held, at = self._held_states(), torch.tensor(rows, device=self.target.device)
-                states = {i: held[i][at] for i in request.hidden_layers}
-            self._holding -= 1
-            if not self._holding:
-                self._let_go_held()
+                states = self._held.gather(rows, request.hidden_layers, self.target.device)
+            self._held.release()  # (the forwards are let go if it was the last row to keep roots there)
             if on_host is not None:
                 on_host(roots)
             else:
@@ -748,17 +786,11 @@ class Scheduler:
         return True
 
     def _give_held(self, events: list[Event]) -> None:
-        """Every row gives the roots it kept (see `_hold`), and so the held forwards are let go."""
+        """Every row gives the roots it kept (see `specgraft.infer.held`), and so the held forwards are let go."""
         for request in list(self.running.values()):
             if request.deferred and not request.rule.done:
                 self._isolated(request, events, lambda: self._give_deferred(request))
         # the forwards are let go as the last row gives (or, one that ended this step, leaves: see `_leave`)
-
-    def _let_go_held(self) -> None:
-        """Let the held forwards go: no row keeps a root of them (see `_hold`)."""
-        self._held, self._held_rows, self._held_base, self._held_bytes, self._held_last = [], 0, 0, 0, None
-        self._joined, self._joined_forwards, self._joined_rows = {}, 0, 0
-        self._holding = 0
 
     def _emit(self, request: Request, kept: list[int], events: list[Event]) -> None:
         request.token_ids.extend(kept)
@@ -778,14 +810,25 @@ class Scheduler:
                 events.append(Failed(request.handle, err))
             return None
 
+    # ------------------------------------------------------------------ leave
+
+    def _leave_finished(self, events: list[Event]) -> None:
+        """Every generation its stop rule ended leaves, with its whole output."""
+        for request in list(self.running.values()):
+            if request.rule.done:
+                self._leave(request)
+                output = GenerationOutput(
+                    request.token_ids, continuation_text(self.target.decode, request.text_context, request.token_ids),
+                    request.recorder.finish(),
+                )
+                events.append(Finished(request.handle, output))
+
     def _leave(self, request: Request) -> None:
         """Take a generation out of the running batch and free its rows."""
         self.running.pop(request.handle, None)
         self._changes += 1
         if request.deferred:  # what it kept is given to no one
-            self._holding -= 1
-            if not self._holding:
-                self._let_go_held()
+            self._held.release()
         if self.controller is not None:
             self.controller.forget(request.handle)
         if request.row is not None:
@@ -796,20 +839,18 @@ class Scheduler:
             request.draft_row = None
 
 
-def _greedy_part(
-    tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, handles: list[int]
-) -> tuple[torch.Tensor, list[int], int]:
+def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, handles: list[int]) -> Part:
     """Greedy acceptance of ``trees`` (packed one after another, ``tokens`` and the target's ``choice`` (N,) at
-    each node) as `Scheduler._choose_together` reads it: (result, handles, width); roots alone need only their
-    choices (width 0), trees `greedy_accept_packed`'s rows."""
+    each node) as `Scheduler._choose_together` reads it: roots alone need only their choices (width 0), trees
+    `greedy_accept_packed`'s rows."""
     width = 1 + max(t.depth_bound for t in trees)  # a path's most nodes: the walks and passes go no deeper
     if width == 1:
-        return choice, handles, 0
+        return Part(choice, handles, 0)
     if len(trees) == 1:
-        return greedy_accept_tree(trees[0], choice, width), handles, width
+        return Part(greedy_accept_tree(trees[0], choice, width), handles, width)
     parents, depth = (torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])) if len(trees) > 1 else (
         trees[0].parents, trees[0].depth)
-    return greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width
+    return Part(greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width)
 
 
 def _choose_one(sampling: Sampling, logits: torch.Tensor) -> torch.Tensor:

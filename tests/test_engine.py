@@ -8,7 +8,7 @@ import pytest
 
 import specgraft as sg
 from specgraft.infer import Failed, Finished, Tokens, check_prompt
-from specgraft.infer.serve.engine import Engine, EngineObserver, Job, QueueFull
+from specgraft.infer.serve import Engine, EngineObserver, Job, Metrics, QueueFull
 from specgraft.model import TREE_SLOTS
 
 TOKENS = 12
@@ -95,3 +95,27 @@ def test_the_kv_pool_is_allocated_once_whatever_the_drafters(stories, trained_ea
     assert one.scheduler.pool_bytes == four.scheduler.pool_bytes == layers * 2 * 4 * heads * slots * dim * 4
     assert one.scheduler.draft_pool_bytes == 0 < four.scheduler.draft_pool_bytes  # the EAGLE head's draft rows
     assert "KV pool: 4 rows" in one.describe() and "draft pools (eagle)" in four.describe()
+
+
+def test_metrics_read_the_scheduler_steps_from_its_observer_hook_and_agree_with_its_counters(stories, dev_prompts):
+    """/metrics' step counts come from the step-observer hook: summed over a run they are the scheduler's own
+    counters (what /metrics exported before the hook), and an adaptive row's selections are observed once a step."""
+    metrics = Metrics()
+    sched = sg.Scheduler(stories, {"prompt-lookup": sg.PromptLookup()}, max_batch_size=2)
+    sched.add_observer(metrics)
+    trees = (sg.Chain(4), sg.Adaptive(), sg.Chain(2))
+    for prompt, tree in zip(dev_prompts, trees):
+        sched.submit(prompt, 24, drafter="prompt-lookup", tree=tree, eos_token_id=())
+    while not sched.idle:
+        sched.step()
+    counters = sched.counters
+    value = metrics.registry.get_sample_value
+    assert value("specgraft_engine_steps_total") == counters.steps
+    assert value("specgraft_engine_verify_forwards_total") == counters.verify_forwards
+    assert value("specgraft_spec_decode_num_drafts_total") == counters.drafts > 0
+    assert value("specgraft_spec_decode_num_draft_tokens_total") == counters.draft_tokens
+    assert value("specgraft_spec_decode_num_accepted_tokens_total") == counters.accepted_tokens > 0
+    per_position = [value("specgraft_spec_decode_num_accepted_tokens_per_pos_total", {"position": str(i)})
+                    for i in range(len(counters.accepted_per_position))]
+    assert per_position == counters.accepted_per_position
+    assert 0 < value("specgraft_adaptive_selected_draft_tokens_count") <= counters.steps

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import specgraft as sg
+from specgraft.infer import Committed, StepObserver
 from specgraft.infer.adaptive.goodput import Candidate, DrafterStats, GoodputController
 from specgraft.infer.adaptive.step_cost import PACKED_EVERY, RESCALE_EVERY, StepCost, forget_step_cost
 from specgraft.tree import ROOT_PARENT, Tree
@@ -786,6 +787,16 @@ def draft_every(monkeypatch, period: int, levels: int) -> list[int]:
     return steps
 
 
+class Committing(StepObserver):
+    """Calls ``told`` with each step's `Committed`."""
+
+    def __init__(self, told) -> None:
+        self.told = told
+
+    def committed(self, step: Committed) -> None:
+        self.told(step)
+
+
 def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, monkeypatch):
     """A draft round is timed with the tokens its rows were behind (the prompt, then every commit since their last
     round); a forward is reported masked only when it paid for trees: a chain alone runs causal, a batch packed
@@ -799,15 +810,8 @@ def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_
     for batch in (1, 2):
         sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=batch)
         driver = Driver(sched)
-        commits = []
-        original = sched._commit
-
-        def commit(request, tree, prefix, logits, hidden, part, events, *chosen):
-            before = len(request.token_ids)
-            original(request, tree, prefix, logits, hidden, part, events, *chosen)
-            commits.append((steps[0], len(request.token_ids) - before))
-
-        sched._commit = commit
+        commits = []  # (steps planned so far, tokens a row kept in its step)
+        sched.add_observer(Committing(lambda step: commits.extend((steps[0], row.kept) for row in step.rows)))
         steps[0], rounds[:], forwards[:] = 0, [], []
         handles = [sched.submit(prompt, 16, drafter="guesses", tree=sg.Adaptive(), eos_token_id=()) for _ in range(batch)]
         sched.controller.cost = StepCost({1: 1.0})  # timed: steps are observed
@@ -834,13 +838,8 @@ def test_steps_that_verify_no_tree_are_timed_one_in_a_few_and_every_other_step_i
     monkeypatch.setattr(GoodputController, "observe_times",
                         lambda self, tokens, seconds, masked, rows, drafted, overhead: told.append((tokens, drafted)))
     sched = sg.Scheduler(stories, {"guesses": Guesses()}, max_batch_size=1)
-    trees, original = {}, sched._commit
-
-    def commit(request, tree, prefix, logits, hidden, part, events, *chosen):
-        trees[sched.counters.steps] = tree.num_nodes > 1
-        original(request, tree, prefix, logits, hidden, part, events, *chosen)
-
-    sched._commit = commit
+    trees = {}  # step -> whether its row verified a tree
+    sched.add_observer(Committing(lambda step: trees.update({step.step: step.rows[0].draft_tokens > 0})))
     handle = sched.submit(stories.encode("the cat sat on the mat and the cat"), 40, drafter="guesses", tree=sg.Adaptive(),
                           eos_token_id=())
     sched.controller.cost = StepCost({1: 1.0})  # timed: steps are observed
@@ -921,11 +920,11 @@ def test_rows_keep_their_roots_beside_rows_of_other_layers_or_none_and_rows_that
     held = []  # bytes of states held after each step
     for _ in range(6):
         driver.step()
-        held.append(sched._held_bytes)
+        held.append(sched._held.bytes)
     handles["late"] = sched.submit(prompts["late"], 21, drafter="late", tree=sg.Adaptive(), eos_token_id=())
     while not all(driver.finished(h) for h in handles.values()):
         driver.step()
-        held.append(sched._held_bytes)
+        held.append(sched._held.bytes)
     # let go when every row has given (all draft on every fifth step), or at the cap; never beyond a forward past it
     # (four rows, three layers)
     cap = 10 * 2 * row_bytes
@@ -949,7 +948,7 @@ def test_rows_whose_drafter_reads_no_states_keep_their_roots_to_a_cap_in_rows(st
     held = []
     while not all(driver.finished(h) for h in handles):
         driver.step()
-        held.append((sched._held_rows, len(sched._held)))
+        held.append((sched._held.rows, len(sched._held.forwards)))
     assert max(rows for rows, _ in held) == 4 and max(forwards for _, forwards in held) == 2  # given at 6: two a step
     assert held.count((0, 0)) >= 5 and not sched._held
 

@@ -247,7 +247,7 @@ def test_draft_model_cache_holds_only_committed_tokens_after_every_step(stories,
         committed = prompt + generated[:-1]
         state = request.draft
         n = len(state.cache)
-        # tokens the draft state holds, then those the scheduler keeps for it (the root alone, see `Scheduler._hold`)
+        # tokens the draft state holds, then those the scheduler keeps for it (the root alone: `specgraft.infer.held`)
         owed = state.pending + request.deferred_roots
         if n + len(owed) != len(committed) or owed != committed[n:]:
             problems.append(f"after {len(generated)} tokens: the draft's cached + pending tokens differ from the target's")

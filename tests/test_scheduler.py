@@ -9,7 +9,9 @@ import pytest
 from test_engine_api import hf_generate
 
 import specgraft as sg
-from specgraft.infer import Failed, Finished, Tokens, per_prompt_options
+from specgraft.infer import (
+    Committed, Drafted, Failed, Finished, StepObserver, Stepped, Tokens, Verified, per_prompt_options,
+)
 
 BRANCHING_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -127,6 +129,70 @@ def test_step_reports_each_generations_new_tokens_and_they_add_up(stories, promp
         out = driver.result(h)
         assert out.token_ids == seen[h] == gen.generate(prompt, max_new_tokens=16, eos_token_id=()).token_ids
     assert sched.idle
+
+
+class Told(StepObserver):
+    """Every record a scheduler tells, in order."""
+
+    def __init__(self) -> None:
+        self.records: list[Drafted | Verified | Committed | Stepped] = []
+
+    def drafted(self, step: Drafted) -> None:
+        self.records.append(step)
+
+    def verified(self, step: Verified) -> None:
+        self.records.append(step)
+
+    def committed(self, step: Committed) -> None:
+        self.records.append(step)
+
+    def stepped(self, step: Stepped) -> None:
+        self.records.append(step)
+
+
+def test_step_observers_are_told_each_step_once_in_order_with_its_counts(stories, prompts):
+    """Drafted, Verified, Committed, Stepped, once each a step, in that order; what they count adds up to the
+    scheduler's counters, the tokens each row kept and the trees it verified."""
+    gen = make(stories, "prompt_lookup")
+    sched = gen.scheduler(max_batch_size=2)
+    told = Told()
+    sched.add_observer(told)
+    driver = Driver(sched)
+    handles = [sched.submit(p, max_new_tokens=n, eos_token_id=()) for p, n in zip(prompts, (20, 9, 14))]
+    calls = 0
+    while not all(driver.finished(h) for h in handles):
+        driver.step()
+        calls += 1
+    assert sched.counters.steps == calls  # every call advanced rows: one step each
+    kinds = [type(r) for r in told.records]
+    assert kinds == [Drafted, Verified, Committed, Stepped] * calls
+    assert [r.step for r in told.records] == [step for step in range(1, calls + 1) for _ in range(4)]
+    kept = dict.fromkeys(handles, 0)
+    for drafted, verified, committed, stepped in zip(*[iter(told.records)] * 4):
+        trees = drafted.trees
+        handles_now = [r.handle for r in drafted.rows]
+        assert sorted(trees) == sorted(handles_now) and [r.handle for r in committed.rows] == handles_now
+        assert stepped.rows == len(handles_now) <= 2 and drafted.selected is None  # (no adaptive row)
+        assert verified.forwards == 1  # one packed forward (or one row's)
+        assert verified.tokens == sum(tree.num_nodes for tree in trees.values())
+        assert verified.seconds >= verified.forward_seconds > 0 and stepped.seconds > drafted.seconds >= 0
+        for row in committed.rows:
+            assert row.draft_tokens == trees[row.handle].num_nodes - 1
+            assert 0 <= row.accepted <= row.draft_tokens and 0 < row.kept <= row.accepted + 1
+            kept[row.handle] += row.kept
+    for h in handles:  # all but the first token, its prefill's
+        assert kept[h] == len(driver.result(h).token_ids) - 1
+    rows = [row for r in told.records if isinstance(r, Committed) for row in r.rows]
+    assert sum(r.draft_tokens for r in rows) == sched.counters.draft_tokens > 0
+    assert sum(r.accepted for r in rows) == sched.counters.accepted_tokens > 0
+    assert sum(r.forwards for r in told.records if isinstance(r, Verified)) == sched.counters.verify_forwards
+
+    sched.remove_observer(told)
+    told.records.clear()
+    driver.run(sched.submit(prompts[0], max_new_tokens=4, eos_token_id=()))
+    assert told.records == []
+    with pytest.raises(TypeError, match="StepObserver"):
+        sched.add_observer(object())
 
 
 def test_cancel_frees_the_row_and_leaves_the_others_unaffected(stories, prompts):

@@ -25,8 +25,9 @@ from typing import Any, Mapping
 
 from specgraft.heads.base import Drafter
 from specgraft.infer.events import Event, Failed, Finished, Tokens
+from specgraft.infer.observer import StepObserver
 from specgraft.infer.request import PromptIds
-from specgraft.infer.scheduler import EngineCounters, Scheduler
+from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import Target
 from specgraft.tree import TreePolicy
@@ -77,8 +78,12 @@ class Job:
             pass
 
 
-class EngineObserver:
-    """What the engine reports as it runs (the server's metrics implement it); every method is a no-op here."""
+class EngineObserver(StepObserver):
+    """What the engine reports as it runs (the server's metrics implement it); every method is a no-op here.
+
+    It observes the scheduler's steps too (`StepObserver`: drafted, verified, committed, stepped), added to the
+    engine's scheduler at start, and told on the engine thread.
+    """
 
     def started(self, scheduler: Scheduler) -> None: ...
 
@@ -89,8 +94,6 @@ class EngineObserver:
     def finished(self, stats: GenerationStats) -> None: ...
 
     def load(self, running: int, queued: int) -> None: ...
-
-    def stepped(self, counters: EngineCounters) -> None: ...
 
 
 class Engine:
@@ -103,7 +106,7 @@ class Engine:
         max_batch_size: most generations running at once: the rows of the KV pool, allocated here.
         max_queue: most generations waiting for a row; more are refused with `QueueFull`.
         max_len: most tokens (prompt + new) of a request (see `Scheduler`).
-        observer: receives load, latency and step reports (metrics).
+        observer: receives load and latency reports, and the scheduler's steps (metrics).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="specgraft-engine", daemon=True)
         self.crashed: BaseException | None = None
+        self.scheduler.add_observer(self.observer)
         self.observer.started(self.scheduler)
 
     def describe(self) -> str:
@@ -243,9 +247,8 @@ class Engine:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        events = self.scheduler.step()
+        events = self.scheduler.step()  # (the observer hears of its step from the scheduler)
         now = time.perf_counter()
-        self.observer.stepped(self.scheduler.counters)
         for event in events:
             job = self.jobs.get(event.handle)
             if job is None:

@@ -1,11 +1,14 @@
 """What `specgraft serve` exposes at /metrics (Prometheus text): load, tokens, target calls, tau, latencies,
-the engine's steps and verification forwards, vLLM's spec-decode counters, and the KV pool's size."""
+the engine's steps and verification forwards, vLLM's spec-decode counters, and the KV pool's size.
+
+The step counts come from the scheduler's step-observer hook (`specgraft.infer.observer`), as any observer's do."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specgraft.infer.scheduler import EngineCounters, Scheduler
+from specgraft.infer.observer import Committed, Drafted, Stepped, Verified
+from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.serve.engine import EngineObserver
 from specgraft.infer.stats import GenerationStats
 
@@ -25,7 +28,6 @@ class Metrics(EngineObserver):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._calls, self._committed = 0, 0.0  # totals behind the tau gauge
-        self._counted = EngineCounters()  # the engine's counters as last exported
         r = self.registry
         self.requests = Counter("specgraft_requests", "Requests by HTTP status (499: client went away)", ["status"], registry=r)
         self.generated = Counter("specgraft_generated_tokens", "Tokens generated", registry=r)
@@ -33,7 +35,8 @@ class Metrics(EngineObserver):
                                     registry=r)
         self.decode_calls = Counter("specgraft_decode_target_calls", "Verification steps per generation (after prefill)",
                                     registry=r)
-        self.committed = Counter("specgraft_committed_tokens", "Tokens committed by those decode passes", registry=r)
+        self.committed_tokens = Counter("specgraft_committed_tokens", "Tokens committed by those decode passes",
+                                        registry=r)
         self.mean_accepted = Gauge("specgraft_mean_accepted_length", "Committed tokens per decode target call (tau)", registry=r)
         self.running = Gauge("specgraft_running_sequences", "Generations holding cache rows", registry=r)
         self.queued = Gauge("specgraft_queued_sequences", "Generations waiting for a row", registry=r)
@@ -79,7 +82,7 @@ class Metrics(EngineObserver):
         self.target_calls.inc(stats.target_calls + 1)
         self.decode_calls.inc(stats.target_calls)
         committed = stats.mean_accepted_length * stats.target_calls
-        self.committed.inc(committed)
+        self.committed_tokens.inc(committed)
         self._calls += stats.target_calls  # only the engine thread reports finished generations
         self._committed += committed
         self.mean_accepted.set(self._committed / self._calls if self._calls else 0.0)
@@ -88,19 +91,37 @@ class Metrics(EngineObserver):
         self.running.set(running)
         self.queued.set(queued)
 
-    def stepped(self, counters: EngineCounters) -> None:
-        """Export what the engine's counters gained since the last step (only the engine thread calls this)."""
-        if counters.adaptive_selected is not None:
-            self.adaptive_selected.observe(counters.adaptive_selected)
-        last = self._counted
-        for metric, name in ((self.steps, "steps"), (self.verify_forwards, "verify_forwards"), (self.drafts, "drafts"),
-                             (self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens")):
-            gained = getattr(counters, name) - getattr(last, name)
-            if gained:
-                metric.inc(gained)
-                setattr(last, name, getattr(counters, name))
-        for position, count in enumerate(counters.accepted_per_position):
-            before = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
-            if count > before:
-                self.accepted_per_position.labels(str(position)).inc(count - before)
-        last.accepted_per_position = list(counters.accepted_per_position)
+    # ------------------------------------------------------------------ the scheduler's steps (engine thread)
+
+    def drafted(self, step: Drafted) -> None:
+        if step.selected is not None:
+            self.adaptive_selected.observe(step.selected)
+
+    def verified(self, step: Verified) -> None:
+        if step.forwards:
+            self.verify_forwards.inc(step.forwards)
+
+    def committed(self, step: Committed) -> None:
+        """vLLM's spec-decode counters, summed over the step's rows first (one increment a metric a step)."""
+        drafts = draft_tokens = accepted = 0
+        reached: list[int] = []  # [i]: drafts whose accepted path reached depth i + 1
+        for row in step.rows:
+            if not row.draft_tokens:  # not a draft: its root alone
+                continue
+            drafts += 1
+            draft_tokens += row.draft_tokens
+            accepted += row.accepted
+            reached += [0] * (row.accepted - len(reached))
+            for i in range(row.accepted):
+                reached[i] += 1
+        if not drafts:
+            return
+        self.drafts.inc(drafts)
+        self.draft_tokens.inc(draft_tokens)
+        if accepted:
+            self.accepted_tokens.inc(accepted)
+        for position, count in enumerate(reached):
+            self.accepted_per_position.labels(str(position)).inc(count)
+
+    def stepped(self, step: Stepped) -> None:
+        self.steps.inc()
