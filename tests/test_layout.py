@@ -185,6 +185,43 @@ def test_the_engine_never_imports_its_server():
     assert not bad, "outside specgraft.infer.serve:\n  " + "\n  ".join(bad)
 
 
+SCHEDULER_NAMES = ("Scheduler", "sched", "scheduler")  # how the tools and benchmarks name a scheduler or its class
+
+
+def reaches_into_the_scheduler(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every private attribute of a scheduler ``source`` reads, sets or patches: ``sched._x``, or a
+    call given a scheduler and a private name (``setattr(Scheduler, "_x", f)``, ``wrap(sg.Scheduler, "_x")``)."""
+
+    def private(name: object) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    def scheduler(node: ast.AST) -> bool:
+        return ast.unparse(node).split(".")[-1] in SCHEDULER_NAMES
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr) and scheduler(node.value):
+            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Call):
+            owners = [a for a in node.args if scheduler(a)]
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and private(a.value)]
+            found += [(node.lineno, f"{ast.unparse(owners[0])}.{name}") for name in names if owners]
+    return sorted(found)
+
+
+def test_tools_and_benchmarks_watch_the_scheduler_through_its_observer_hook():
+    """DESIGN.md: `specgraft.tools` and benchmarks/ use the public API and the step-observer hook
+    (`Scheduler.add_observer`), never the scheduler's private methods or state."""
+    paths = sorted((REPO / "benchmarks").glob("*.py")) + sorted((REPO / "specgraft" / "tools").glob("*.py"))
+    bad = [f"{path.relative_to(REPO)}:{line}: {what}" for path in paths
+           for line, what in reaches_into_the_scheduler(path.read_text())]
+    assert not bad, "private scheduler attributes used (observe the step instead):\n  " + "\n  ".join(bad)
+    patched = ("import specgraft as sg\nsg.Scheduler._commit = f\nsetattr(sg.Scheduler, '_draft', g)\nx = sched._held\n"
+               "wrap(sg.Scheduler, '_verify', 'verify')\nsched.add_observer(o)\nsg.Scheduler.step(sched)\n")
+    assert [what for _, what in reaches_into_the_scheduler(patched)] == [
+        "sg.Scheduler._commit", "sg.Scheduler._draft", "sched._held", "sg.Scheduler._verify"]
+
+
 @pytest.mark.parametrize(
     ("module", "source", "complaint"),
     [
