@@ -133,7 +133,8 @@ class Engine:
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="specgraft-engine", daemon=True)
         self.crashed: BaseException | None = None
-        self.scheduler.add_observer(self.observer)
+        if observer is not None:  # (the no-op one would only make the scheduler build records for no one)
+            self.scheduler.add_observer(observer)
         self.observer.started(self.scheduler)
 
     def describe(self) -> str:
