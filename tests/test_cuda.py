@@ -111,10 +111,27 @@ def test_eagle3_on_cuda_equals_hf_greedy(cuda_stories, dev_prompts, draft_vocab)
         assert out.token_ids == hf_greedy(cuda_stories, ids, n)
 
 
+BF16_TIE = 0.125  # logits: bf16 keeps 8 significant bits, so two logits near 10 this close may swap with the batch shape
+
+
+def assert_equal_up_to_a_bf16_tie(target: sg.Target, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """``got`` equals ``want``, or first departs from it where the target's two best logits (recomputed in one
+    forward) are ``got``'s and ``want``'s tokens within `BF16_TIE`: a bf16 forward over other row counts (a verified
+    chain, a batch) rounds differently, so such a tie may break either way; a wrong draft accepted never looks so."""
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    ids = torch.tensor([prompt + want[:i]], device=target.device)
+    logits = target.model(ids).logits[0, -1].float()
+    top = logits.topk(2)
+    assert set(top.indices.tolist()) == {got[i], want[i]}, (i, got[i], want[i], top)
+    assert float(top.values[0] - top.values[1]) < BF16_TIE, (i, top)
+
+
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
 def test_bf16_speculation_on_cuda_equals_the_engines_own_bf16_greedy(trained_eagle, dev_prompts, tree):
-    """A bf16 target with the trained EAGLE head (cast to bf16 at load): speculative rows give exactly the tokens
-    plain decoding of the same bf16 target gives, one row and a batch."""
+    """A bf16 target with the trained EAGLE head (cast to bf16 at load): speculative rows give the tokens plain
+    decoding of the same bf16 target gives, one row and a batch, up to a bf16 tie (`assert_equal_up_to_a_bf16_tie`)."""
     if not STORIES.is_dir():
         pytest.skip(f"../shared assets are absent ({STORIES} not found)")
     target = sg.load_target(STORIES, device="cuda", dtype="bfloat16")
@@ -122,12 +139,14 @@ def test_bf16_speculation_on_cuda_equals_the_engines_own_bf16_greedy(trained_eag
     assert next(eagle.head.parameters()).dtype == torch.bfloat16
     prompts = [target.encode(p) for p in dev_prompts[:6]]
     budgets = [40, 17, 33, 48, 9, 25]
-    plain = sg.SpeculativeGenerator(target, None).generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())
+    plain = sg.SpeculativeGenerator(target, None)
     spec = sg.SpeculativeGenerator(target, eagle, tree=sg.parse_tree_spec(tree))
-    batched = spec.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())
-    for ids, n, want, got in zip(prompts, budgets, plain, batched):
-        assert got.token_ids == want.token_ids
-        assert spec.generate(ids, max_new_tokens=n, eos_token_id=()).token_ids == want.token_ids
+    batched = zip(plain.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=()),
+                  spec.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=()))
+    for ids, n, (want, got) in zip(prompts, budgets, batched):
+        assert_equal_up_to_a_bf16_tie(target, ids, got.token_ids, want.token_ids)
+        alone = spec.generate(ids, max_new_tokens=n, eos_token_id=()).token_ids
+        assert_equal_up_to_a_bf16_tie(target, ids, alone, plain.generate(ids, max_new_tokens=n, eos_token_id=()).token_ids)
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "point-masses"])
