@@ -7,7 +7,8 @@
     sched.add_observer(Tally())
 
 A step is one advance of the running rows (what `EngineCounters.steps` counts). In it, in this order:
-`drafted` once every row has its tree, `verified` after the target's forward, `committed` after every row's
+`drafted` once every row has its tree, `verified` after the target's forward (once the rows' acceptance is read
+back, so a GPU's forward is timed), `committed` after every row's
 commit, and `stepped` last, once per step whatever happened (its rows 0 where no row had a tree to verify: the
 three before are then not told). Admitting a row (its prefill) and finished rows leaving are no step's work.
 
@@ -45,7 +46,7 @@ class Verified:
     forwards: int  # target forwards that verified: one packed for every row, or one a row on Hugging Face's forward
     tokens: int  # tree nodes they ran, every row's root included
     seconds: float  # building the forward's inputs (segments, masks, positions) and running it
-    forward_seconds: float  # the target's forward(s) alone
+    forward_seconds: float  # the target's forward(s) alone: the device's seconds (`DeviceClock`; a GPU's kernels)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ import torch
 
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
 from specgraft.infer.adaptive import Candidate, GoodputController
+from specgraft.infer.adaptive.clock import DeviceClock, Mark
 from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.held import HeldStates
@@ -243,6 +244,8 @@ class Scheduler:
         self.closed = closed
         self.observers = StepObservers()  # told what each step did (see `add_observer`)
         self._forward_seconds = 0.0  # the last step's target forward(s), which the controller times apart
+        self._forward_spans: list[tuple[Mark, Mark]] = []  # their marks (`DeviceClock`), read after the readback
+        self._clock = DeviceClock(target.device)
         self._forward_tokens = 0  # the tokens of that forward, where it was one (0: Hugging Face's, row by row)
         self._forward_masked = False  # that forward paid for trees (a mask; packed, rows leaving the one-token call)
         self._adaptive_rows = False  # the step has rows whose trees the controller sizes
@@ -452,7 +455,7 @@ class Scheduler:
         live = [r for r in live if r.handle in trees]
         if not live:
             return 0
-        self._forward_seconds, self._forward_tokens, self._forward_masked = 0.0, 0, False
+        self._forward_spans, self._forward_tokens, self._forward_masked = [], 0, False
         drafted = [r for r in live if r.drafted and trees[r.handle].num_nodes > 1]  # rows verifying a tree
         if self.controller is not None:
             self.counters.adaptive_selected = None if not self._adaptive_rows else 0
@@ -465,11 +468,14 @@ class Scheduler:
         prefixes = {r.handle: len(r.cache) for r in live}
         forwards, verify_from = self.counters.verify_forwards, time.perf_counter()
         verified = self._verify(live, trees, prefixes, events)
+        verifying = time.perf_counter() - verify_from
+        chosen = self._choose_together([r for r in live if r.handle in verified], trees, verified)
+        # The forward's device seconds, read now that the choice's readback waited for it (see `DeviceClock`)
+        self._forward_seconds = sum(self._clock.seconds(start, end) for start, end in self._forward_spans)
         if observers:
             tokens = sum(trees[h].num_nodes for h in verified)
-            observers.verified(Verified(step, self.counters.verify_forwards - forwards, tokens,
-                                        time.perf_counter() - verify_from, self._forward_seconds))
-        chosen = self._choose_together([r for r in live if r.handle in verified], trees, verified)
+            observers.verified(Verified(step, self.counters.verify_forwards - forwards, tokens, verifying,
+                                        self._forward_seconds))
         commit_from, commits = time.perf_counter(), []
         for request in live:
             if request.handle in verified:
@@ -626,9 +632,9 @@ class Scheduler:
                     return RowForward(out.logits[0], out.hidden, 0)  # (1, N, H) each
 
                 self.counters.verify_forwards += 1
-                start = time.perf_counter()
+                start = self._clock.mark()
                 result = self._isolated(request, events, forward)
-                self._forward_seconds += time.perf_counter() - start
+                self._forward_spans.append((start, self._clock.mark()))
                 if result is not None:
                     verified[request.handle] = result
                     if self.pool is not None:  # one row: the step's one forward
@@ -642,11 +648,11 @@ class Scheduler:
             positions.append(prefix + tree.depth)
         layers = tuple(sorted({i for r in live for i in r.hidden_layers}))
         self.counters.verify_forwards += 1
-        start = time.perf_counter()
+        start = self._clock.mark()
         packed = torch.cat(tokens)
         out = self.target.forward_packed(packed, self.pool, segments, torch.cat(positions), layers)
         self._packed = PackedForward(out.logits, packed, [r.handle for r in live])
-        self._forward_seconds = time.perf_counter() - start
+        self._forward_spans.append((start, self._clock.mark()))
         self._forward_tokens = sum(s.size for s in segments)
         self._forward_masked = self._forward_tokens > len(segments)
         # Each row's logits as views made in one call (a slice a row cost 3-4 us each, 16 rows a step); its states

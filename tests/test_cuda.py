@@ -179,3 +179,21 @@ def test_a_chain_accepted_on_cuda_commits_the_targets_law(sampled):
         counts[tuple(xs[: count - 1]) + (row[1],)] += 1
     result = fit(counts, law)
     assert result.passed, result
+
+
+def test_the_device_clock_times_kernels_not_their_launches():
+    """What the goodput controller prices trees with on a GPU: the seconds a forward's kernels run, read from
+    events after the step's readback, where the host clock would see only their launches."""
+    import time
+
+    from specgraft.infer.adaptive.clock import DeviceClock
+
+    clock = DeviceClock("cuda")
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    start = clock.mark()
+    torch.cuda._sleep(100_000_000)  # a kernel that spins ~0.05-0.1 s
+    end = clock.mark()
+    launched = time.perf_counter() - host
+    seconds = clock.seconds(start, end)
+    assert seconds > 0.01 and seconds > 5 * launched

@@ -54,6 +54,19 @@ def with_quarter_second_levels(ctl: GoodputController) -> Drafter:
 # --------------------------------------------------------------------------- the arithmetic
 
 
+def test_the_device_clock_on_a_cpu_is_the_host_clock():
+    """A CPU's forward runs while the host waits: its seconds are the host's (a GPU's: tests/test_cuda.py)."""
+    import time
+
+    from specgraft.infer.adaptive.clock import DeviceClock
+
+    clock = DeviceClock("cpu")
+    start = clock.mark()
+    time.sleep(0.01)
+    end = clock.mark()
+    assert isinstance(start, float) and clock.seconds(start, end) == end - start >= 0.01
+
+
 def test_step_cost_interpolates_extrapolates_and_follows_observed_times():
     cost = StepCost({1: 1.0, 4: 2.5, 8: 4.5})
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.5) and cost(6) == pytest.approx(3.5)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from specgraft.infer.adaptive.clock import DeviceClock
 from specgraft.model import Target
 from specgraft.tree import ROOT_PARENT, Tree, tree_attention_mask, tree_position_ids
 
@@ -140,7 +141,7 @@ class StepCost:
                 if rep > 3 and n > 16:  # large N, slow to time, vary little: three times (after a warm-up)
                     continue
                 ids, positions = inputs[n]
-                times[n].append(_timed(lambda: target.forward(ids[None], cache, positions), cache, cached))
+                times[n].append(_timed(lambda: target.forward(ids[None], cache, positions), cache, cached, target.device))
             rep += 1
         points = {n: min(t[1:]) for n, t in times.items()}
         return cls(rising_times(points), tree_ratio=_tree_ratio(target, cache, cached), trees_seen=True)
@@ -258,8 +259,8 @@ def _tree_ratio(target: Target, cache: Any, cached: int) -> float:
 
     tree_times, causal_times = [], []
     for _ in range(2 * COST_REPEATS + 1):
-        tree_times.append(_timed(tree, cache, cached))
-        causal_times.append(_timed(lambda: target.forward(tokens[None], cache, causal), cache, cached))
+        tree_times.append(_timed(tree, cache, cached, target.device))
+        causal_times.append(_timed(lambda: target.forward(tokens[None], cache, causal), cache, cached, target.device))
     return max(min(tree_times[1:]) / min(causal_times[1:]), 1.0)  # the first of each warms up
 
 
@@ -268,11 +269,13 @@ def _filler(target: Target, n: int) -> torch.Tensor:
     return (torch.arange(n, device=target.device) * 7919 + 11) % target.vocab_size
 
 
-def _timed(forward: Callable[[], object], cache: Any, cached: int) -> float:
-    """Seconds ``forward`` takes; then the cache is cropped back to its ``cached`` tokens."""
-    start = time.perf_counter()
+def _timed(forward: Callable[[], object], cache: Any, cached: int, device: torch.device) -> float:
+    """Seconds the device works on ``forward`` (`DeviceClock`: on a GPU its kernels, not their launches); then the
+    cache is cropped back to its ``cached`` tokens."""
+    clock = DeviceClock(device)
+    start = clock.mark()
     forward()
-    elapsed = time.perf_counter() - start
+    elapsed = clock.seconds(start, clock.mark())
     cache.crop(cached)
     return elapsed
 
