@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
-from specgraft.model.small_rows import SmallRowChoice, key as product_key, pack, packed_linear, small_row_choice, transposed_linear
+from specgraft.model.small_rows import (
+    SmallRowChoice, key as product_key, pack_shapes, packed_linear, small_row_choice, transposed_linear,
+)
 from specgraft.model.staging import staged
 
 # Architectures whose forward `FastLlama` reproduces exactly. Subclasses are
@@ -364,8 +366,7 @@ class FastLlama:
         the same forms), packing this model's own weights of the shapes it packs."""
         weights = self._product_weights()
         taken = {(o, i) for (o, i, _), form in choice.forms.items() if form == "packed"}
-        packed = {shape: [pack(w) for w in mats] for shape, mats in weights.items() if shape in taken}
-        return self._keep(choice, weights, {shape: p for shape, p in packed.items() if all(x is not None for x in p)})
+        return self._keep(choice, weights, pack_shapes({shape: mats for shape, mats in weights.items() if shape in taken}))
 
     def _product_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
         """Every weight this model multiplies by, once each (a tied lm_head is the embeddings), by shape."""

@@ -45,7 +45,6 @@ REPEATS = 2  # timed passes per (shape, rows, form); the least disturbed one cou
 # product streams its weight from memory as in a forward, and few enough that a 135M model measures in seconds.
 PASS_BYTES = 64 << 20
 MODES = ("auto", "linear", "transposed", "packed")
-FORMS = ("linear", "transposed", "packed")
 ENV = "SPECGRAFT_SMALL_ROWS"  # pins the mode where load_target is not told one
 
 Key = tuple[int, int, int]  # (out features, in features, rows 1..SMALL_ROWS or MANY)
@@ -54,6 +53,11 @@ Key = tuple[int, int, int]  # (out features, in features, rows 1..SMALL_ROWS or 
 def key(weight: torch.Tensor, rows: int) -> Key:
     """The choice's key for ``rows`` rows times ``weight``."""
     return weight.shape[0], weight.shape[1], min(rows, MANY)
+
+
+def _rows(rows: int) -> str:
+    """A key's rows as reports print them."""
+    return f">{SMALL_ROWS}" if rows == MANY else str(rows)
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class SmallRowChoice:
             return self.how
         where: dict[str, dict[tuple[int, int], list[str]]] = {}
         for (out, inp, rows), form in sorted(self.forms.items()):
-            where.setdefault(form, {}).setdefault((out, inp), []).append(f">{SMALL_ROWS}" if rows == MANY else str(rows))
+            where.setdefault(form, {}).setdefault((out, inp), []).append(_rows(rows))
         name = {"transposed": "W @ x.T", "packed": "packed"}
         parts = [f"{name[form]} for " + "; ".join(f"{o}x{i} at {','.join(r)} rows" for (o, i), r in shapes.items())
                  for form, shapes in where.items()]
@@ -84,7 +88,7 @@ class SmallRowChoice:
 
     def to_dict(self) -> dict:
         """The choice and its timings as JSON reports keep them (milliseconds per product)."""
-        label = lambda k: f"{k[0]}x{k[1]}@{'>' + str(SMALL_ROWS) if k[2] == MANY else k[2]}"  # noqa: E731
+        label = lambda k: f"{k[0]}x{k[1]}@{_rows(k[2])}"  # noqa: E731
         return {
             "choice": self.describe(),
             "how": self.how,
@@ -130,6 +134,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MANY_ROWS)
     except RuntimeError:
         return None
+
+
+def pack_shapes(weights: Mapping[tuple[int, int], Sequence[torch.Tensor]]) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Each shape's weights packed (aligned with ``weights``), for the shapes whose every weight packs."""
+    packed = {shape: [pack(w) for w in mats] for shape, mats in weights.items()}
+    return {shape: packs for shape, packs in packed.items() if all(p is not None for p in packs)}
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,8 +209,7 @@ def small_row_choice(
     if first is None or first.device.type != "cpu":
         return SmallRowChoice(how="F.linear everywhere (not a CPU: nothing measured)"), {}
     start = time.perf_counter()
-    packed = {shape: [pack(w) for w in mats] for shape, mats in weights.items()}
-    packed = {shape: packs for shape, packs in packed.items() if all(p is not None for p in packs)}
+    packed = pack_shapes(weights)
     if mode == "packed":
         forms = {(o, i, r): "packed" for o, i in packed for r in (*range(1, SMALL_ROWS + 1), MANY)}
         how = f"packed at every row count (pinned by {where})" if packed else f"F.linear everywhere (nothing packs here; {where})"
