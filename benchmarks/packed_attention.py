@@ -102,7 +102,8 @@ def attention_forms(heads: int, kv_heads: int, dim: int, sizes: list[int], lens:
     pool.kv[0] = kv
     for r, L in enumerate(lens):
         pool.acquire(r)[1].extend(1, L)
-    packed = PackedAttention(pool, [Segment(r, t, None if t == 1 else m) for r, (t, m) in enumerate(zip(sizes, trees))], q.device)
+    packed = PackedAttention(pool, [Segment(r, t, None if t == 1 else m) for r, (t, m) in enumerate(zip(sizes, trees))], q.device,
+                             heads * dim)
     k_new = torch.cat([kv[0, r, :, L:L + t] for r, (t, L) in enumerate(zip(sizes, lens))], 1)[None]  # rewrite what is there
     v_new = torch.cat([kv[1, r, :, L:L + t] for r, (t, L) in enumerate(zip(sizes, lens))], 1)[None]
     model = _Heads(heads, kv_heads, dim)

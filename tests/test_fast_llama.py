@@ -513,12 +513,21 @@ LAYOUTS = {
     "rows apart, a chain": [(4, 8, None), (1, 3, [-1, 0, 1, 2, 3]), (6, 10, None)],
     "plain rows before a tree": [(0, 9, None), (1, 9, None), (2, 9, None), (3, 9, TREE_PARENTS)],
     "trees of two sizes padded together": [(0, 10, [-1, 0, 0, 1]), (1, 9, [-1, 0, 1])],
+    "rows of unequal lengths": [(0, 40, None), (1, 3, None), (2, 4, None), (3, 45, None), (5, 2, [-1, 0, 0])],
+    "rows out of pool order": [(3, 5, None), (1, 6, None), (2, 30, [-1, 0, 1]), (0, 7, None), (4, 8, None)],
 }
+# What an SDPA call costs against padding (`CALL_MACS`), so every layout runs as one call, as this machine's cost
+# cuts it, and with every row that pads another in a call of its own.
+CALLS = {"one call": 1 << 40, "measured": None, "free calls": 0}
 
 
+@pytest.mark.parametrize("calls", list(CALLS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_rows_match_hf_run_one_by_one(pair, layout):
-    """One packed forward over several pool rows' trees equals HF's forward of each row alone, cache and all."""
+def test_packed_rows_match_hf_run_one_by_one(pair, layout, calls, monkeypatch):
+    """One packed forward over several pool rows' trees equals HF's forward of each row alone, cache and all, however
+    its rows are cut into attention calls."""
+    if CALLS[calls] is not None:
+        monkeypatch.setitem(fast_llama.CALL_MACS, "cpu", CALLS[calls])
     segments, tokens, positions, references = [], [], [], []
     pool = pair.fast.new_batched_cache(7, 64)
     for seed, (row, length, parents) in enumerate(LAYOUTS[layout]):
@@ -554,6 +563,38 @@ def test_packed_rows_match_hf_run_one_by_one(pair, layout):
             for got, want in zip(view.layer_kv(layer), hf_cache.layer_kv(layer)):
                 assert close(got, want)
         offset += segment.size
+
+
+def test_rows_share_an_attention_call_where_padding_costs_less_than_the_call():
+    """`_spans` by hand: one-token rows after 40, 3, 4 and 45 cached slots, in pool-row order."""
+    order, rows, sizes, starts = [0, 1, 2, 3], [0, 1, 2, 3], [1, 1, 1, 1], [40, 3, 4, 45]
+    # Free calls: padding row 1 to row 0's 41 slots (2 x 41 = 82) costs more than its own 4: every row alone.
+    assert fast_llama._spans(order, rows, sizes, starts, call=0) == [[0], [1], [2], [3]]
+    # A call worth 50 slots: 82 <= 41 + 50 + 4, then 3 x 41 <= 82 + 50 + 5, then 4 x 46 <= 123 + 50 + 46.
+    assert fast_llama._spans(order, rows, sizes, starts, call=50) == [[0, 1, 2, 3]]
+    # The two short rows share a call; the long ones pad nothing alone.
+    assert fast_llama._spans([1, 2, 0, 3], [1, 2, 0, 3], [1, 1, 1, 1], [3, 4, 40, 45], call=10) == [[1, 2], [0], [3]]
+
+
+@pytest.mark.parametrize(("layout", "calls", "spans", "moved"), [
+    ("rows of unequal lengths", "one call", 1, True),  # a tree in the call: the one-token rows pad to its width
+    ("rows of unequal lengths", "free calls", 5, False),
+    ("plain rows before a tree", "free calls", 2, False),  # the three plain rows pad nothing together
+    ("rows out of pool order", "one call", 1, True),
+])
+def test_packed_attention_cuts_rows_into_calls(pair, layout, calls, spans, moved, monkeypatch):
+    """How `PackedAttention` cuts a layout into SDPA calls, and whether a call must move its tokens into a padded grid
+    (the numbers themselves are held by test_packed_rows_match_hf_run_one_by_one)."""
+    monkeypatch.setitem(fast_llama.CALL_MACS, "cpu", CALLS[calls])
+    pool = pair.fast.new_batched_cache(7, 64)
+    segments = []
+    for row, length, parents in LAYOUTS[layout]:
+        pool.acquire(row)[1].extend(1, length)
+        segments.append(sg.model.Segment(row, len(parents or [-1])))
+    packed = fast_llama.PackedAttention(pool, segments, torch.device("cpu"),
+                                         pair.fast.fast.num_heads * pair.fast.fast.head_dim)
+    assert len(packed.spans) == spans
+    assert any(span.grid is not None for span in packed.spans) == moved
 
 
 def test_a_draft_model_beside_a_packed_target_packs_its_own_weights_and_keeps_the_greedy_output():

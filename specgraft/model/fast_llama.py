@@ -105,118 +105,156 @@ class Segment:
     visible: torch.Tensor | None = None
 
 
-# A padded attention call over a group of rows may do at most this many times the attention work of the same
-# rows attended one by one: below it one call beats a call per row (stories260K: 16 trees of 8 nodes, 0.53 ms padded
-# against 0.80 ms per row a layer); above it the padding costs more than the calls save (SmolLM2, 16 rows of which
-# four trees of 8: 1.50 ms padded against 0.88 ms per row). benchmarks/packed_attention.py measures both.
-PADDED_WORK_RATIO = 2.0
+# What one more SDPA call costs, in multiply-adds of queries by keys (query x slot x query heads x head_dim): the
+# attention work of a call's padding is weighed against it when rows are grouped into calls (`_spans`). On this CPU
+# a call costs ~15 us of dispatch and slicing, about what 128 slots of SmolLM2's 9 x 64 channels take; on a GPU a
+# launch outweighs any padding a batch brings (an estimate: never measured there), so rows share one call.
+CALL_MACS = {"cpu": 128 * 576}
+GPU_CALL_MACS = 1 << 30
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One SDPA call of a packed forward: pool rows [lo, hi), each row's queries padded to ``widest``.
+
+    Attributes:
+        mask: (G, 1, T, width) additive; what each padded query sees of the span's slots [0, width).
+        grid, columns: where each member token sits in the (G * T) query grid, and its index in the packed N;
+            None when the span's tokens lie in the packed order already, from ``offset`` on (no moves).
+    """
+
+    lo: int
+    hi: int
+    widest: int
+    width: int
+    mask: torch.Tensor
+    offset: int
+    grid: torch.Tensor | None
+    columns: torch.Tensor | None
+
+
+def _spans(order: Sequence[int], rows: Sequence[int], sizes: Sequence[int], starts: Sequence[int], call: float) -> list[list[int]]:
+    """Segments (taken in pool-row order) cut into runs that share an SDPA call, each padded to its widest row.
+
+    A run's work is (rows it spans) x widest x (slots its longest row sees), plus ``call`` for the call itself; a
+    segment joins the run before it when that costs no more than a call of its own (rows of unequal lengths would
+    otherwise pad every short row to the longest: decoding 32 MT-bench prompts attended 4x the slots they hold).
+    """
+    runs: list[list[int]] = []
+    lo = widest = width = 0
+    for i in order:
+        t, w = sizes[i], starts[i] + sizes[i]
+        if runs:
+            now = (rows[runs[-1][-1]] + 1 - lo) * widest * width
+            joined = (rows[i] + 1 - lo) * max(widest, t) * max(width, w)
+            if joined <= now + call + t * w:
+                runs[-1].append(i)
+                widest, width = max(widest, t), max(width, w)
+                continue
+        runs.append([i])
+        lo, widest, width = rows[i], t, w
+    return runs
 
 
 class PackedAttention:
-    """How every layer of one packed forward writes its keys/values and attends, row by row.
+    """How every layer of one packed forward writes its keys/values and attends, in a few SDPA calls.
 
-    Built once per forward: each row's slots (taken from the pool), the write
-    index of every token and the masks. Rows attend in one of two ways:
+    Built once per forward: each row's slots (taken from the pool), the write index of every token, and the rows
+    cut into spans (`_spans`): runs of pool rows that share one SDPA call over the slots the span's longest row
+    sees, each row's queries padded to the span's widest (a padding query, or a row of the span outside the
+    forward, sees one slot and its output is dropped). Plain decoding over rows of like lengths is one call; a
+    tree beside one-token rows, or rows of very unequal lengths, take calls of their own where the padding would
+    cost more than the call. One call over every row's keys concatenated, with a block mask, grows with the
+    square of the batch, and flex_attention on this CPU costs more than both (benchmarks/packed_attention.py).
 
-    - together, in one SDPA call over the span of pool rows they lie in, each
-      row's queries padded to the group's widest (a padding query, or a row of
-      the span outside the group, sees one slot and its output is dropped);
-    - alone, in an SDPA call of their own over their own slots.
-
-    The group is every row when padding costs at most `PADDED_WORK_RATIO`
-    times the attention work of the rows alone (plain decoding, trees of one
-    size); otherwise the one-token rows (which pad nothing), the others alone.
-    One call over every row's keys concatenated, with a block mask, grows with
-    the square of the batch, and flex_attention on this CPU costs more than
-    both (benchmarks/packed_attention.py).
-
-    Shape legend: N packed tokens, R pool rows, S slots, G rows in the group's span, T its widest row,
-    Hq / Hkv heads, D head_dim.
+    Shape legend: N packed tokens, R pool rows, S slots, G rows in a span, T its widest row, Hq / Hkv heads,
+    D head_dim.
     """
 
-    def __init__(self, pool: BatchedKVCache, segments: Sequence[Segment], device: torch.device) -> None:
+    def __init__(self, pool: BatchedKVCache, segments: Sequence[Segment], device: torch.device, channels: int) -> None:
         self.pool = pool
         sizes = [seg.size for seg in segments]
-        starts = pool.extend_packed([seg.row for seg in segments], sizes)
+        rows = [seg.row for seg in segments]
+        starts = pool.extend_packed(rows, sizes)
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + size)
-        rows = [seg.row for seg in segments]
         token_rows = [row for row, n in zip(rows, sizes) for _ in range(n)]  # (N,) each token's pool row and slot
         token_slots = [slot for start, n in zip(starts, sizes) for slot in range(start, start + n)]
-        dtype = pool.kv.dtype
-        everyone = list(range(len(segments)))
-        alone_work = sum(n * (start + n) for n, start in zip(sizes, starts))
-        padded_work = (max(rows) - min(rows) + 1) * max(sizes) * max(s + n for s, n in zip(starts, sizes))
-        if len(segments) > 1 and padded_work <= PADDED_WORK_RATIO * alone_work:
-            group = everyone
-        else:
-            group = [i for i in everyone if sizes[i] == 1]
-            group = group if len(group) > 1 else []
+        call = CALL_MACS.get(device.type, GPU_CALL_MACS) / channels
+        runs = _spans(sorted(range(len(segments)), key=rows.__getitem__), rows, sizes, starts, call)
         # Every index list the layers need is built on the host first, then staged in one copy (`staged`).
-        seen, trees, grid, columns, in_place = [], [], [], [], True
-        if group:
-            lo, hi = min(rows[i] for i in group), max(rows[i] for i in group) + 1
-            width, widest = max(starts[i] + sizes[i] for i in group), max(sizes[i] for i in group)
+        seen, trees, tree_at, grids, columns, shapes = [], [], [], [], [], []
+        for run in runs:
+            lo, hi = rows[run[0]], rows[run[-1]] + 1
+            widest, width = max(sizes[i] for i in run), max(starts[i] + sizes[i] for i in run)
             # Each query sees its row's cached slots (a one-token row: its own slot too); a row of the span outside
-            # the group sees slot 0, and so do padding queries beyond that (their output is dropped).
-            seen = [1] * (hi - lo)
-            for i in group:
-                seen[rows[i] - lo] = starts[i] + (sizes[i] == 1)
-            for i in group:  # where each member's token sits in the (G * T) query grid, and in the packed N
+            # the run sees slot 0, and so do padding queries beyond that (their output is dropped).
+            base = len(seen)
+            seen += [1] * (hi - lo)
+            grid, column = [], []
+            for i in run:  # where each member's token sits in the (G * T) query grid, and in the packed N
+                seen[base + rows[i] - lo] = starts[i] + (sizes[i] == 1)
                 r, n = rows[i] - lo, sizes[i]
                 grid += range(r * widest, r * widest + n)
-                columns += range(offsets[i], offsets[i] + n)
-            trees = [i for i in group if sizes[i] > 1]
-            # The packed order already is the padded one (every token in the group, each row of the span in turn,
-            # all of one size): no moves.
-            in_place = len(group) == len(everyone) and grid == columns == list(range((hi - lo) * widest))
-        staged_lists = staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], [rows[i] - lo for i in trees],
-                         [] if in_place else grid, [] if in_place else columns)
-        self.rows, self.slots, seen_at, tree_starts, tree_rows, grid_at, columns_at = staged_lists
-        self.alone: list[tuple[int, int, int, int, torch.Tensor | None]] = []  # (offset, T, row, slots seen, mask)
-        for i in everyone:
-            if i not in group:
-                seg, start = segments[i], starts[i]
-                mask = None if seg.size == 1 else additive(_visible(seg, start, seg.size, start + seg.size, device), dtype)
-                self.alone.append((offsets[i], seg.size, seg.row, start + seg.size, mask))
-        self.group = None
-        if group:
-            # Room for every tree's block at its own slots, cut back to `width` below.
-            room = max(starts[i] for i in group) + widest
-            visible = torch.arange(room, device=device) < seen_at[:, None, None]  # (G, 1, room)
-            visible = visible.expand(hi - lo, widest, room).clone()
-            if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
-                block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
-                for m, i in enumerate(trees):
-                    block[m, : sizes[i], : sizes[i]] = _tree(segments[i], device)
-                at = tree_starts[:, None, None] + torch.arange(widest, device=device)
-                visible[tree_rows] = visible[tree_rows].scatter(2, at.expand(-1, widest, -1), block)
-            self.group = (lo, hi, widest, width, additive(visible[:, None, :, :width], dtype),
-                          *((None, None) if in_place else (grid_at, columns_at)))
+                column += range(offsets[i], offsets[i] + n)
+                if n > 1:
+                    trees.append(i)
+                    tree_at.append(base + rows[i] - lo)
+            # The packed order already is the padded one (every row of the span, in turn, all of one size): no moves.
+            in_place = column == list(range(column[0], column[0] + (hi - lo) * widest)) and grid == list(range(len(grid)))
+            grids.append([] if in_place else grid)
+            columns.append([] if in_place else column)
+            shapes.append((lo, hi, widest, width, base, column[0], in_place))
+        staged_lists = staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], tree_at, *grids, *columns)
+        self.rows, self.slots, seen_at, tree_starts, tree_rows = staged_lists[:5]
+        grids_at, columns_at = staged_lists[5 : 5 + len(runs)], staged_lists[5 + len(runs) :]
+        # One (rows of every span, T, room) visibility for all spans, each span's mask cut from it.
+        dtype = pool.kv.dtype
+        widest = max(shape[2] for shape in shapes)
+        room = max([shape[3] for shape in shapes] + [starts[i] + widest for i in trees])
+        visible = torch.arange(room, device=device) < seen_at[:, None, None]  # (sum G, 1, room)
+        visible = visible.expand(len(seen), widest, room).clone()
+        if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
+            block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
+            for m, i in enumerate(trees):
+                block[m, : sizes[i], : sizes[i]] = _tree(segments[i], device)
+            at = tree_starts[:, None, None] + torch.arange(widest, device=device)
+            visible[tree_rows] = visible[tree_rows].scatter(2, at.expand(-1, widest, -1), block)
+        masks = additive(visible[:, None], dtype)  # (sum G, 1, T, room)
+        self.spans = [
+            _Span(lo, hi, t, width, masks[base : base + hi - lo, :, :t, :width].contiguous(), offset,
+                  None if in_place else grid, None if in_place else column)
+            for (lo, hi, t, width, base, offset, in_place), grid, column in zip(shapes, grids_at, columns_at)
+        ]
 
     def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write layer ``layer``'s packed keys/values (1, Hkv, N, D) and attend with (1, Hq, N, D) queries -> (1, N, Hq * D)."""
         self.pool.write_packed(layer, self.rows, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, Hkv, D)
         keys, values = self.pool.kv[layer, 0], self.pool.kv[layer, 1]  # (R, Hkv, S, D)
         heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
-        if self.group is not None and self.group[-1] is None:  # every row, in row order, of one size: no padding
-            lo, hi, widest, width, mask, _, _ = self.group
-            grouped = q.transpose(1, 2).reshape(hi - lo, widest, heads, dim).transpose(1, 2)  # (G, Hq, T, D)
-            result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
-            return result.transpose(1, 2).reshape(1, n, heads * dim)
-        out = torch.empty_like(q)
-        for offset, size, row, seen, mask in self.alone:
-            part = slice(offset, offset + size)
-            out[:, :, part] = model._attend(q[:, :, part], keys[row : row + 1, :, :seen], values[row : row + 1, :, :seen], mask)
-        if self.group is not None:
-            lo, hi, widest, width, mask, grid, columns = self.group
-            grouped = q.new_zeros(heads, (hi - lo) * widest, dim)  # (Hq, G * T, D)
-            grouped[:, grid] = q[0, :, columns]
-            grouped = grouped.view(heads, hi - lo, widest, dim).transpose(0, 1)  # (G, Hq, T, D)
-            result = model._attend(grouped, keys[lo:hi, :, :width], values[lo:hi, :, :width], mask)  # (G, Hq, T, D)
-            out[0, :, columns] = result.transpose(0, 1).reshape(heads, -1, dim)[:, grid]
-        return out.transpose(1, 2).reshape(1, n, heads * dim)
+        tokens = q[0].transpose(0, 1)  # (N, Hq, D)
+        out = None
+        for span in self.spans:
+            g, t = span.hi - span.lo, span.widest
+            if span.grid is None:  # (G * T, Hq, D) in place
+                grouped = tokens[span.offset : span.offset + g * t]
+            else:
+                grouped = tokens.new_zeros(g * t, heads, dim)
+                grouped[span.grid] = tokens[span.columns]
+            grouped = grouped.view(g, t, heads, dim).transpose(1, 2)  # (G, Hq, T, D)
+            result = model._attend(grouped, keys[span.lo : span.hi, :, : span.width], values[span.lo : span.hi, :, : span.width],
+                                   span.mask)  # (G, Hq, T, D)
+            result = result.transpose(1, 2).reshape(g * t, heads, dim)  # (G * T, Hq, D)
+            if len(self.spans) == 1 and span.grid is None and g * t == n:  # every token, in order: the result is the output
+                return result.reshape(1, n, heads * dim)
+            if out is None:
+                out = tokens.new_empty(n, heads, dim)
+            if span.grid is None:
+                out[span.offset : span.offset + g * t] = result
+            else:
+                out[span.columns] = result[span.grid]
+        return out.view(1, n, heads * dim)
 
 
 def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
@@ -224,14 +262,6 @@ def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
     if segment.visible is not None:
         return segment.visible
     return torch.ones(segment.size, segment.size, dtype=torch.bool, device=device).tril()
-
-
-def _visible(segment: Segment, start: int, size: int, width: int, device: torch.device) -> torch.Tensor:
-    """(size, width) bool: what each of a row's new tokens sees of slots [0, width): its cached slots and its tree."""
-    visible = torch.zeros(size, width, dtype=torch.bool, device=device)
-    visible[:, :start].fill_(True)  # (fill_: setting True by index would copy the Python bool to the device)
-    visible[:, start : start + size] = _tree(segment, device)
-    return visible
 
 
 def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -583,7 +613,7 @@ class FastLlama:
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
         states: dict[int, torch.Tensor] = {}
         cos, sin = self._rope(x, position_ids[None], pool.max_len)  # (1, N, 1, D)
-        packed = PackedAttention(pool, segments, x.device)
+        packed = PackedAttention(pool, segments, x.device, self.num_heads * self.head_dim)
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 states[i] = x[0]
