@@ -116,7 +116,8 @@ class EagleHead(nn.Module):
     def fast(self) -> FastLlama:
         """The lean inference path over this head's own layer weights (shared, so training updates show)."""
         if getattr(self, "_fast", None) is None:
-            self._fast = FastLlama.for_layers(self.layers, self.layer_config, self.rotary)
+            self._fast = FastLlama.for_layers(self.layers, self.layer_config, self.rotary,
+                                              products=(self.fc.weight, self.lm_head_weight))
         return self._fast
 
     @torch.inference_mode()
@@ -131,8 +132,9 @@ class EagleHead(nn.Module):
         """`forward` for drafting: the same maths without transformers' per-call machinery."""
         features = features.to(self.fc.weight.dtype)
         emb = F.embedding(tokens, self.embed_weight).to(features.dtype)
-        x = F.linear(torch.cat([emb, features], dim=-1), self.fc.weight, self.fc.bias)
-        return self.fast().run_layers(x, cache, position_ids, attention_mask)
+        fast = self.fast()
+        x = fast.linear(torch.cat([emb, features], dim=-1), self.fc.weight, self.fc.bias)
+        return fast.run_layers(x, cache, position_ids, attention_mask)
 
     # -- the FeatureDrafter interface --------------------------------------------------------------
     def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -148,7 +150,9 @@ class EagleHead(nn.Module):
         return self.draft_forward(features, tokens, positions, mask, cache)
 
     def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
-        return self.logits(out)
+        if out.dtype != self.lm_head_weight.dtype:
+            return self.logits(out)
+        return self.fast().linear(out, self.lm_head_weight)  # `logits`, in the form this machine runs fastest
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head_weight.to(features.dtype).T

@@ -167,7 +167,8 @@ class Eagle3Head(nn.Module):
     def fast(self) -> FastLlama:
         """The lean inference path over the midlayer's own weights (shared, so training updates show)."""
         if getattr(self, "_fast", None) is None:
-            self._fast = FastLlama.for_layers([self.midlayer], self.layer_config, self.rotary)
+            self._fast = FastLlama.for_layers([self.midlayer], self.layer_config, self.rotary,
+                                              products=(self.fc.weight, self.lm_head.weight))
         return self._fast
 
     @torch.inference_mode()
@@ -196,7 +197,10 @@ class Eagle3Head(nn.Module):
 
     # -- the FeatureDrafter interface --------------------------------------------------------------
     def draft_features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        return self.fuse(hidden)  # committed pairs feed fc(fused taps); tree nodes feed the midlayer's outputs
+        # Committed pairs feed fc(fused taps) (`fuse`, its product in the form this machine runs fastest); tree
+        # nodes feed the midlayer's outputs.
+        fused = torch.cat([hidden[i].to(self.fc.weight.dtype) for i in self.hidden_layers], dim=-1)
+        return self.fast().linear(fused, self.fc.weight, self.fc.bias)
 
     def new_draft_cache(self, max_len: int) -> StaticKVCache:
         return self.fast().new_cache(max_len)
@@ -208,7 +212,8 @@ class Eagle3Head(nn.Module):
         return self.draft_forward(h, tokens, positions, mask, cache)
 
     def draft_logp(self, out: torch.Tensor) -> torch.Tensor:
-        return self.to_target_logp(self.draft_logits(out))
+        normed = rms_norm(out, self.norm.weight, self.norm.variance_epsilon)  # `draft_logits`, its product in the
+        return self.to_target_logp(self.fast().linear(normed, self.lm_head.weight))  # form this machine runs fastest
 
     # -- training-time test -----------------------------------------------------------------------
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -49,6 +49,8 @@ class FeatureDrafter:
 
     def __init__(self, head, target: Target) -> None:
         self.head = head  # not put in eval mode here: the trainer's evaluator may share the module
+        if target.fast is not None:  # the head's shapes that its target's take the target's measured forms
+            head.fast().share_small_rows(target.fast.small_rows, owner=target.fast)
         self.hidden_layers = head.hidden_layers
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS

@@ -609,3 +609,32 @@ def test_a_draft_model_beside_a_packed_target_packs_its_own_weights_and_keeps_th
     plain = sg.SpeculativeGenerator(target, None).generate(prompt, max_new_tokens=24).token_ids
     drafted = sg.SpeculativeGenerator(target, draft, tree=sg.Chain(3)).generate(prompt, max_new_tokens=24).token_ids
     assert drafted == plain and len(plain) == 24
+
+
+@pytest.mark.parametrize("config", ["eagle", "eagle3"])
+def test_a_feature_head_beside_a_packed_target_takes_its_forms_and_keeps_the_greedy_output(config):
+    """An EAGLE or EAGLE-3 head drafting for a packed target multiplies by its own packed weights where its shapes are
+    the target's, takes the target's packed lm_head rather than packing it again, and the output stays the
+    target's greedy output."""
+    if small_rows.pack(torch.zeros(2, 2)) is None:
+        pytest.skip("this torch build packs no weights (no oneDNN)")
+    from specgraft.heads import Eagle3Config, EagleConfig, as_drafter, build_head
+
+    target = sg.load_target(tiny_causal_lm("llama", vocab_size=VOCAB, seed=1, layers=4), small_rows="packed")
+    head_config = EagleConfig() if config == "eagle" else Eagle3Config(draft_vocab_size=VOCAB)
+    head = build_head(head_config, target).eval()
+    drafter = as_drafter(head, target)
+    fast, theirs = head.fast(), {id(p.packed) for p in target.fast.packed.values()}
+    own = {id(w) for w in head.parameters()} | {id(b) for b in head.buffers()}
+    assert fast.packed and set(fast.packed) <= own  # the head's weights ...
+    lm_head = head.lm_head_weight if config == "eagle" else head.lm_head.weight
+    assert id(lm_head) in fast.packed  # ... its lm_head among them
+    if config == "eagle":  # the target's own lm_head, seen through a buffer: the target's packed copy, not a second
+        assert id(fast.packed[id(lm_head)].packed) in theirs
+    else:  # its own lm_head: its own copy; and the midlayer's o / MLP weights of the target's shapes packed too
+        assert id(fast.packed[id(lm_head)].packed) not in theirs
+        assert id(fast.layers[0].o) in fast.packed
+    prompt = [5, 17, 42, 8, 9, 60]
+    plain = sg.SpeculativeGenerator(target, None).generate(prompt, max_new_tokens=24).token_ids
+    drafted = sg.SpeculativeGenerator(target, drafter, tree=sg.Chain(3)).generate(prompt, max_new_tokens=24).token_ids
+    assert drafted == plain and len(plain) == 24

@@ -35,7 +35,7 @@ from torch import nn
 
 from specgraft.model.caches import FIRST_ALLOCATION, BatchedKVCache, StaticKVCache
 from specgraft.model.small_rows import (
-    SmallRowChoice, key as product_key, pack_shapes, packed_linear, small_row_choice, transposed_linear,
+    SmallRowChoice, key as product_key, pack, packed_linear, small_row_choice, transposed_linear,
 )
 from specgraft.model.staging import staged
 
@@ -350,10 +350,16 @@ class FastLlama:
         layers: Llama-family decoder layers; their q/k/v, o, MLP and norm weights are read, not copied.
         rotary: the model's rotary embedding module.
         model: the whole HF model, or None for a head's layers.
+        products: more weights the caller multiplies by through `linear` (a head's fc and lm_head), so that their
+            shapes take the measured forms too.
     """
 
-    def __init__(self, *, config, layers: Sequence[nn.Module], rotary: nn.Module, model: nn.Module | None = None) -> None:
+    def __init__(
+        self, *, config, layers: Sequence[nn.Module], rotary: nn.Module, model: nn.Module | None = None,
+        products: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.model = model
+        self.products = tuple(products)  # weights beyond the layers' that `linear` multiplies by (a head's fc, lm_head)
         self.num_layers = len(layers)
         self.num_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -391,17 +397,28 @@ class FastLlama:
         choice, packed = small_row_choice(weights, mode)
         return self._keep(choice, weights, packed)
 
-    def share_small_rows(self, choice: SmallRowChoice) -> SmallRowChoice:
-        """Take another model's choice, measured on this machine (a draft model's shapes shared with its target take
-        the same forms), packing this model's own weights of the shapes it packs."""
+    def share_small_rows(self, choice: SmallRowChoice, owner: FastLlama | None = None) -> SmallRowChoice:
+        """Take another model's choice, measured on this machine (a draft's shapes shared with its target take the
+        same forms), packing this model's own weights of the shapes it packs; a weight that is one of ``owner``'s
+        (the same storage: an EAGLE head's view of its target's lm_head) takes the owner's packed copy instead of
+        a second one."""
         weights = self._product_weights()
         taken = {(o, i) for (o, i, _), form in choice.forms.items() if form == "packed"}
-        return self._keep(choice, weights, pack_shapes({shape: mats for shape, mats in weights.items() if shape in taken}))
+        theirs = {} if owner is None else {(p.data_ptr, tuple(p.weight.shape)): p.packed
+                                           for p in owner.packed.values() if p.of(p.weight)}  # fresh ones only
+        packed = {}
+        for shape, mats in weights.items():
+            if shape in taken:
+                packs = [theirs.get((w.data_ptr(), shape)) for w in mats]
+                packs = [pack(w) if p is None else p for w, p in zip(mats, packs)]
+                if all(p is not None for p in packs):
+                    packed[shape] = packs
+        return self._keep(choice, weights, packed)
 
     def _product_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
         """Every weight this model multiplies by, once each (a tied lm_head is the embeddings), by shape."""
         weights: dict[tuple[int, int], list[torch.Tensor]] = {}
-        mats = [self.lm_head] if self.lm_head is not None else []
+        mats = ([self.lm_head] if self.lm_head is not None else []) + list(self.products)
         for layer in self.layers:
             mats += [layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down]
         for w in {id(w): w for w in mats}.values():
@@ -443,13 +460,16 @@ class FastLlama:
         return cls(config=model.config, layers=layers, rotary=model.model.rotary_emb, model=model)
 
     @classmethod
-    def for_layers(cls, layers: Sequence[nn.Module], config, rotary: nn.Module) -> FastLlama:
-        """Only the decoder math over given Llama decoder layers (a draft head's), for `run_layers`.
+    def for_layers(
+        cls, layers: Sequence[nn.Module], config, rotary: nn.Module, products: Sequence[torch.Tensor] = ()
+    ) -> FastLlama:
+        """Only the decoder math over given Llama decoder layers (a draft head's), for `run_layers`; ``products``
+        are the head's other weights it multiplies by through `linear`.
 
         A layer that is not a plain Llama block (EAGLE-3's midlayer) composes `begin_step`,
         `attention` and `mlp` itself; its q/k/v, o, MLP and norm weights are read here all the same.
         """
-        return cls(config=config, layers=layers, rotary=rotary)
+        return cls(config=config, layers=layers, rotary=rotary, products=products)
 
     def subset(self, layers: Sequence[int]) -> FastLlama:
         """The same model running only decoder ``layers`` (increasing indices), for self-speculative drafting.
