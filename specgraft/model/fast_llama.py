@@ -599,10 +599,17 @@ class FastLlama:
     ) -> torch.Tensor:
         """SDPA of (B, Hq, T, D) queries over (B, Hkv, L, D) keys/values under ``mask`` -> (B, Hq, T, D).
 
-        On CPU SDPA groups the query heads itself (enable_gqa), fastest with a mask; CUDA's fused kernels take
-        enable_gqa only without a mask, so there the keys/values are repeated instead.
+        On CPU SDPA groups the query heads itself (enable_gqa), fastest with a mask, and one query a row folds a
+        group's heads into query rows; CUDA's fused kernels take enable_gqa only without a mask, so there the
+        keys/values are repeated instead.
         """
         gqa = self.num_heads != self.kv_heads
+        if gqa and q.shape[2] == 1 and q.device.type == "cpu":
+            # One query a row: the query heads that share a key/value head become that head's query rows, so the
+            # kernel reads each row's keys once for the group (SmolLM2, 32 rows of 100-250 slots: 3-4% faster).
+            b, heads, _, dim = q.shape
+            grouped = q.reshape(b, self.kv_heads, heads // self.kv_heads, dim)  # (B, Hkv, Hq / Hkv, D)
+            return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scale).view(b, heads, 1, dim)
         if gqa and mask is not None and q.device.type != "cpu":
             repeat = self.num_heads // self.kv_heads
             keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)  # (B, Hq, L, D)
