@@ -8,7 +8,7 @@ from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_pro
 from specgraft.infer.observer import Committed, Drafted, RowCommit, StepObserver, Stepped, Verified
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
-from specgraft.infer.stats import GenerationStats, percentile, quartiles
+from specgraft.infer.stats import GenerationStats, format_tau, percentile, quartiles
 from specgraft.infer.stopping import StopRule
 from specgraft.infer.verify import Acceptance, AcceptRule, greedy_accept, is_lossless, lossy_typical_accept, sample_accept
 
@@ -37,6 +37,7 @@ __all__ = [
     "TreeChoice",
     "Verified",
     "check_prompt",
+    "format_tau",
     "greedy_accept",
     "interpolate",
     "is_lossless",

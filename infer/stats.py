@@ -14,7 +14,9 @@ class GenerationStats:
     target_calls: int = 0  # target forward passes after prefill
     # tau and the histogram count what each verification committed, bonus included, before a stop rule
     # (EOS, stop string) cut the last step: they measure the drafter, not where the text ended.
-    mean_accepted_length: float = 0.0  # tau: committed tokens per target call
+    # tau: committed tokens per target call; 0.0 where no verification ran (an output of only EOS), so sums weighted
+    # by target_calls stay right; reports give `tau` (None there) and print it with `format_tau` ("n/a (no steps)").
+    mean_accepted_length: float = 0.0
     accept_length_histogram: list[int] = field(default_factory=list)  # [i] = steps committing i + 1 tokens
     draft_tokens_per_token: float = 0.0
     ttft_s: float = 0.0
@@ -24,8 +26,22 @@ class GenerationStats:
     kv_cache_tokens_peak: int = 0  # target + draft positions at the fullest moment
     lossless: bool = True
 
+    @property
+    def tau(self) -> float | None:
+        """The mean accepted length, None where no verification step ran: there is no mean of nothing."""
+        return self.mean_accepted_length if self.target_calls else None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The JSON report's keys; ``mean_accepted_length`` is `tau` (null where no verification step ran)."""
+        return {**asdict(self), "mean_accepted_length": self.tau}
+
+
+NO_STEPS = "n/a (no steps)"  # a mean accepted length where no verification step ran
+
+
+def format_tau(value: float | None, digits: int = 2) -> str:
+    """A mean accepted length as text reports print it: `NO_STEPS` for None (no verification step ran)."""
+    return NO_STEPS if value is None else f"{value:.{digits}f}"
 
 
 class StatsRecorder:

@@ -547,3 +547,56 @@ def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_pa
     args = _args("--target", "/nonexistent", "--prompts", str(prompts_file), "--batch-size", "1,x", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--batch-size '1,x'"):
         bench_main(args)
+
+
+def test_aggregate_has_no_mean_accepted_length_where_no_prompt_made_a_verification_step():
+    """An output of only EOS makes no verification step: its tau is null, not 0.0, and the others' stay theirs."""
+    eos_only = sg.GenerationStats(new_tokens=1, target_calls=0).to_dict()
+    assert eos_only["mean_accepted_length"] is None
+    drafted = sg.GenerationStats(new_tokens=7, target_calls=3, mean_accepted_length=2.0).to_dict()
+    assert aggregate([eos_only, drafted], wall_s=[1.0, 1.0])["mean_accepted_length"] == pytest.approx(2.0)
+    assert aggregate([eos_only, eos_only], wall_s=[1.0, 1.0])["mean_accepted_length"] is None
+
+
+def _batch_rows(speedups: dict[int, list[float]], rounds: int) -> list[dict]:
+    """Hand-made sweep rows: plain at 100 tokens/s at each size, one method at the mean of its rounds' speedups."""
+    rows = []
+    for b, per_round in speedups.items():
+        rows.append({"method": "plain", "batch_size": b, "total_tokens_per_s": 100.0, "speedup_by_round": [1.0] * rounds})
+        rows.append({"method": "lookup", "batch_size": b, "total_tokens_per_s": 100.0 * sum(per_round) / len(per_round),
+                     "speedup_by_round": per_round})
+    return rows
+
+
+def test_the_batch_verdict_says_what_it_rests_on_and_when_a_speedup_is_within_noise():
+    from specgraft.tools.bench_batch import verdict
+
+    clear = _batch_rows({1: [1.5, 1.4], 2: [1.2, 1.1], 4: [0.8, 0.9]}, rounds=2)
+    assert verdict(clear, 2) == "Speculation stops paying at batch 4 (rests on 2 rounds)."
+    everywhere = _batch_rows({1: [1.5, 1.4], 2: [1.2, 1.1]}, rounds=2)
+    assert verdict(everywhere, 2) == "Speculation pays at every batch size measured (rests on 2 rounds)."
+    # 1.01x on average, but one round below 1.0x: not apart from plain decoding; then a clear loss
+    noisy = _batch_rows({1: [1.5, 1.4], 4: [0.99, 1.03], 8: [0.8, 0.85]}, rounds=2)
+    line = verdict(noisy, 2)
+    assert "within noise" in line and "batch 4" in line and "0.99x-1.03x over its 2 rounds" in line
+    assert "stops paying at batch 8" in line and line.endswith("(rests on 2 rounds).")
+    # One round: a stated threshold instead of a spread
+    one = _batch_rows({1: [1.5], 2: [1.02]}, rounds=1)
+    line = verdict(one, 1)
+    assert "within noise" in line and "batch 2" in line and "5% of 1.00x" in line and line.endswith("(rests on 1 round).")
+    assert verdict(_batch_rows({1: [1.5], 2: [0.9]}, rounds=1), 1) == "Speculation stops paying at batch 2 (rests on 1 round)."
+
+
+def test_the_batch_report_prints_the_verdict_and_no_steps_for_a_tau_of_nothing():
+    from specgraft.tools.bench_batch import batch_markdown
+
+    rows = _batch_rows({1: [1.5], 2: [1.02]}, rounds=1)
+    for r in rows:
+        r.update(mean_accepted_length=None if r["method"] == "lookup" else 1.0, engine="specgraft",
+                 paired_vs_plain_p25=1.0, paired_vs_plain_p50=1.0, paired_vs_plain_p75=1.0, request_tokens_per_s_p50=1.0,
+                 ttft_p50_s=0.1, ttft_p99_s=0.1, itl_p50_s=0.01, itl_p99_s=0.01, kernels_per_step=None)
+    results = {"settings": {"target": "t", "prompts": 2, "max_new_tokens": 4, "batch_sizes": [1, 2], "rounds": 1},
+               "rows": rows, "greedy_identical": True, "mismatches": []}
+    markdown = batch_markdown(results)
+    assert "within noise" in markdown and "(rests on 1 round)" in markdown
+    assert "150.0 (n/a (no steps))" in markdown and "0.00)" not in markdown

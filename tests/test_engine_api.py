@@ -504,3 +504,18 @@ def test_stop_rule_fires_at_the_token_a_full_decode_would(stories, dev_prompts):
         rule = StopRule(len(ids), (), (stop,), Detokenizer(stories.decode))
         kept = rule.accept(ids)
         assert len(kept) == want + 1, stop
+
+
+def test_an_output_of_only_eos_has_no_mean_accepted_length(stories):
+    """No verification step ran: the stats say so (None, null in JSON, "n/a (no steps)" in text), not tau 0.00."""
+    from specgraft.infer import format_tau
+
+    gen = sg.SpeculativeGenerator(stories, sg.PromptLookup())
+    first = gen.generate("Once upon a time", max_new_tokens=1).token_ids[0]
+    out = gen.generate("Once upon a time", max_new_tokens=16, eos_token_id=first)
+    assert out.token_ids == [first] and out.stats.target_calls == 0
+    assert out.stats.tau is None and json.loads(json.dumps(out.stats.to_dict()))["mean_accepted_length"] is None
+    assert format_tau(out.stats.tau) == "n/a (no steps)"
+    drafted = gen.generate("Once upon a time", max_new_tokens=16, eos_token_id=())
+    assert drafted.stats.tau == drafted.stats.to_dict()["mean_accepted_length"] > 0
+    assert format_tau(drafted.stats.tau) == f"{drafted.stats.mean_accepted_length:.2f}"

@@ -73,10 +73,12 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 
 def _weighted_mean(values: Sequence[float | None], weights: Sequence[int]) -> float | None:
-    if any(v is None for v in values):
+    """None where a weighed value is not measured (another engine's), or where nothing is weighed (a tau of prompts
+    that made no verification step: their outputs were only EOS); a value of weight 0 counts for nothing."""
+    weighed = [(v, w) for v, w in zip(values, weights) if w]
+    if not weighed or any(v is None for v, _ in weighed):
         return None
-    total = sum(weights)
-    return sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+    return sum(v * w for v, w in weighed) / sum(w for _, w in weighed)
 
 
 def _sum_histograms(histograms: Sequence[list[int]]) -> list[int]:

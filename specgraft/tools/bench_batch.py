@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from specgraft.heads import Drafter
-from specgraft.infer import GoodputController, SpeculativeGenerator, percentile, quartiles
+from specgraft.infer import GoodputController, SpeculativeGenerator, format_tau, percentile, quartiles
 from specgraft.model import Target
 from specgraft.tools.bench_report import counted
 from specgraft.tools.step_counts import count_decoding
@@ -92,6 +92,7 @@ def run_batch_sweep(
             # Kernels and host syncs a decoding step, counted over the first group again, untimed
             counts = None if name in external else count_decoding(dict(gens)[name], groups[0], max_new_tokens)
             rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference),
+                         "speedup_by_round": by_round(method_runs, reference, rounds),
                          "kernels_per_step": counts and counts.kernels_per_step,
                          "syncs_per_step": counts and counts.syncs_per_step})
     return {
@@ -100,6 +101,7 @@ def run_batch_sweep(
                      "order": "interleaved per group of B prompts; the method order rotates by one each group"},
         "rows": rows,
         "crossover": crossover(rows),
+        "verdict": verdict(rows, rounds),
         # Adaptive trees: by depth, what the goodput controller expected of the nodes it verified and what was accepted
         # (over the whole sweep; per drafter, shared by every method that drafts with it).
         "calibration": {name: GoodputController.stats(drafter).calibration_curve()
@@ -128,7 +130,8 @@ def _summary(name: str, batch_size: int, runs: Sequence[tuple[list, float]]) -> 
         "request_tokens_per_s_p50": statistics.median(per_request),
         "ttft_p50_s": at("ttft_s", 0.5), "ttft_p99_s": at("ttft_s", 0.99),
         "itl_p50_s": at("itl_p50_s", 0.5), "itl_p99_s": at("itl_p99_s", 0.99),
-        "mean_accepted_length": sum(s.mean_accepted_length * s.target_calls for s in stats) / calls if calls else 0.0,
+        # None where no verification step ran (every output only EOS): no mean to report
+        "mean_accepted_length": sum(s.mean_accepted_length * s.target_calls for s in stats) / calls if calls else None,
     }
 
 
@@ -137,6 +140,75 @@ def paired(runs: Sequence[tuple[list, float]], reference: Sequence[tuple[list, f
     greedy with fixed budgets, the same tokens): its median and quartiles. A burst of load on the machine slows the
     runs it falls on, and moves a total by all of that but a median of pairs hardly."""
     return quartiles([ref / wall for (_, wall), (_, ref) in zip(runs, reference) if wall > 0], "paired_vs_plain")
+
+
+def by_round(runs: Sequence[tuple[list, float]], reference: Sequence[tuple[list, float]], rounds: int) -> list[float]:
+    """The method's total tokens/s over plain decoding's in each round (one pass over the groups): the spread of a
+    speedup that `verdict` reads."""
+    per = len(runs) // rounds
+    ratios = []
+    for r in range(rounds):
+        mine, ref = (_rate(x[r * per : (r + 1) * per]) for x in (runs, reference))
+        ratios.append(mine / ref if ref > 0 else 0.0)
+    return ratios
+
+
+def _rate(runs: Sequence[tuple[list, float]]) -> float:
+    wall = sum(w for _, w in runs)
+    return sum(out.stats.new_tokens for outs, _ in runs for out in outs) / wall if wall > 0 else 0.0
+
+
+# With one round there is no spread to read: a speedup within this of 1.0x is not told apart from it (one pass of a
+# short sweep moves by a few percent with the machine's load).
+ONE_ROUND_NOISE = 0.05
+
+
+def verdict(rows: Sequence[Mapping[str, Any]], rounds: int) -> str:
+    """Where speculation stops paying, in words that say what they rest on: the rounds, and "within noise" where a
+    speedup (total tokens/s over plain decoding's, as the table) is not told apart from 1.0x. With two or more
+    rounds a speedup is apart from 1.0x when all its rounds lie on one side of it (``speedup_by_round``); with
+    one, when it is more than `ONE_ROUND_NOISE` away.
+
+    A batch size pays when some method pays there, and costs when every method costs there.
+    """
+    ours = [r for r in rows if r.get("engine", "specgraft") == "specgraft"]
+    plain = ours[0]["method"]
+    base = {r["batch_size"]: r["total_tokens_per_s"] for r in ours if r["method"] == plain}
+    basis = f"rests on {rounds} round{'s' if rounds != 1 else ''}"
+    drafting = [r for r in ours if r["method"] != plain]
+    if not drafting:
+        return f"No speculative method was measured ({basis})."
+
+    def speedup(r: Mapping[str, Any]) -> float:
+        return r["total_tokens_per_s"] / max(base[r["batch_size"]], 1e-9)
+
+    def side(r: Mapping[str, Any]) -> int:  # 1: pays, -1: costs, 0: within noise
+        spread = r.get("speedup_by_round") or []
+        lo, hi = (min(spread), max(spread)) if rounds > 1 and len(spread) > 1 else (speedup(r) - ONE_ROUND_NOISE,
+                                                                                     speedup(r) + ONE_ROUND_NOISE)
+        return 1 if lo > 1.0 else -1 if hi < 1.0 else 0
+
+    def why(r: Mapping[str, Any]) -> str:
+        spread = r.get("speedup_by_round") or []
+        if rounds > 1 and len(spread) > 1:
+            return f"spans {min(spread):.2f}x-{max(spread):.2f}x over its {len(spread)} rounds"
+        return f"lies within {ONE_ROUND_NOISE:.0%} of 1.00x, the threshold with one round"
+
+    states = {}
+    for b in sorted(base):
+        at = [r for r in drafting if r["batch_size"] == b]
+        sides = [side(r) for r in at]
+        states[b] = (1 if 1 in sides else -1 if all(s == -1 for s in sides) else 0, max(at, key=speedup))
+    stops = next((b for b, (state, _) in states.items() if state != 1), None)
+    if stops is None:
+        return f"Speculation pays at every batch size measured ({basis})."
+    state, best = states[stops]
+    if state == -1:
+        return f"Speculation stops paying at batch {stops} ({basis})."
+    line = (f"From batch {stops} speculation is within noise of plain decoding: the best there, {best['method']} at "
+            f"{speedup(best):.2f}x, {why(best)}")
+    costs = next((b for b, (state, _) in states.items() if b > stops and state == -1), None)
+    return line + (f"; it stops paying at batch {costs}" if costs else "") + f" ({basis})."
 
 
 def crossover(rows: Sequence[Mapping[str, Any]]) -> int | None:
@@ -172,9 +244,8 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
     ]
     for m in methods:
         lines.append(f"| {m} | " + " | ".join(
-            f"{cell[m, b]['total_tokens_per_s']:.1f} ({cell[m, b]['mean_accepted_length']:.2f})" for b in sizes) + " |")
-    point = results["crossover"]
-    lines += ["", f"Speculation stops paying at batch {point}." if point else "Speculation pays at every batch size measured.", ""]
+            f"{cell[m, b]['total_tokens_per_s']:.1f} ({format_tau(cell[m, b]['mean_accepted_length'])})" for b in sizes) + " |")
+    lines += ["", results.get("verdict") or verdict(rows, settings.get("rounds", 1)), ""]
     plain = methods[0]
     lines += ["Against plain decoding:", "", "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for m in methods[1:]:

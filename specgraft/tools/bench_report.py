@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from specgraft.infer import format_tau
+
 PLOTS = ("speed_vs_accepted_length.png", "accept_length_histogram.png", "acceptance_by_depth.png")
 
 
@@ -47,7 +49,7 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
     ]
     for m in results["methods"]:
-        row = [m["method"], _fmt(m["mean_accepted_length"], 2), _fmt(m["e2e_tokens_per_s"], 1)]
+        row = [m["method"], format_tau(m["mean_accepted_length"]), _fmt(m["e2e_tokens_per_s"], 1)]
         row += [_fmt(m["speedup_vs"].get(b), 2) + "x" if m["speedup_vs"].get(b) is not None else "-" for b in bases]
         row.append(counted(m))
         lines.append("| " + " | ".join(row) + " |")
@@ -72,7 +74,7 @@ def results_markdown(results: Mapping[str, Any]) -> str:
         for m in results["methods"]:
             cells = [m["per_category"].get(c) for c in categories]
             lines.append("| " + " | ".join([m["method"]] + [
-                "-" if c is None else f"{_fmt(c['mean_accepted_length'], 2)} / {_fmt(c['e2e_tokens_per_s'], 1)}"
+                "-" if c is None else f"{format_tau(c['mean_accepted_length'])} / {_fmt(c['e2e_tokens_per_s'], 1)}"
                 for c in cells
             ]) + " |")
         lines.append("")

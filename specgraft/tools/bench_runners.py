@@ -111,7 +111,7 @@ class ChunkClock(BaseStreamer):
         return {
             "new_tokens": new_tokens,
             "target_calls": len(after),
-            "mean_accepted_length": sum(after) / len(after) if after else 0.0,
+            "mean_accepted_length": sum(after) / len(after) if after else None,  # None: no call after the prefill
             "accept_length_histogram": histogram,
             "draft_tokens_per_token": None,
             "ttft_s": self.times[0] - self.start,
