@@ -48,6 +48,8 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from specgraft.heads.base import BatchDrafter, Drafter, DraftRequest
+from specgraft.heads.composite import Composite
+from specgraft.heads.prompt_lookup import PromptLookup
 from specgraft.infer.adaptive import Candidate, GoodputController
 from specgraft.infer.adaptive.clock import DeviceClock, Mark
 from specgraft.infer.detokenize import continuation_text
@@ -59,7 +61,9 @@ from specgraft.infer.verify import (
     Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
-from specgraft.tree import Adaptive, Chain, Sampling, Tree, TreePolicy, tree_attention_mask, tree_position_ids
+from specgraft.tree import (
+    Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, TreePolicy, tree_attention_mask, tree_position_ids,
+)
 
 T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
@@ -191,6 +195,11 @@ class Scheduler:
             queue, first come first served.
         max_len: most tokens (prompt + new) of one generation: the slots each row holds beside one
             tree. Default: the target's context, at most `DEFAULT_MAX_LEN`.
+        tree_slots: the slots each row of the KV pool holds beyond ``max_len`` for the tree it verifies: the most
+            nodes, root included, of any tree it admits (`most_tree_nodes`; a larger one is refused at `submit`).
+            A server passes its largest admitted tree's; the default, `TREE_SLOTS`, suits any tree of a few
+            hundred nodes. (Batch drafters' draft pools keep `TREE_SLOTS`: a row's draft forward also pads to
+            the catch-up of the row furthest behind.)
         default_drafter, default_tree, default_acceptance: what `submit` uses when a request names none.
         closed: no request will be submitted once those queued are admitted (`generate_batch`'s batch): the
             batch then ends with its longest row, so while none waits, an `Adaptive` row that is ahead of the
@@ -215,6 +224,7 @@ class Scheduler:
         *,
         max_batch_size: int = 16,
         max_len: int | None = None,
+        tree_slots: int = TREE_SLOTS,
         default_drafter: str = NO_DRAFTER,
         default_tree: TreePolicy | None = None,
         default_acceptance: AcceptRule = sample_accept,
@@ -225,9 +235,12 @@ class Scheduler:
         self.max_len = max_len or min(target.max_context, DEFAULT_MAX_LEN)
         if not 1 <= self.max_len <= target.max_context:
             raise ValueError(f"max_len={max_len} must lie in [1, {target.max_context}] (the target's context)")
+        if isinstance(tree_slots, bool) or not isinstance(tree_slots, int) or tree_slots < 1:
+            raise ValueError(f"tree_slots must be a positive integer (a tree's root takes one), got {tree_slots!r}")
         self.target = target
         self.max_batch_size = max_batch_size
-        self.pool = target.new_batched_cache(max_batch_size, self.max_len + TREE_SLOTS)  # None: row by row
+        self.tree_slots = tree_slots
+        self.pool = target.new_batched_cache(max_batch_size, self.max_len + tree_slots)  # None: row by row
         self.drafters: dict[str, Drafter | None] = {NO_DRAFTER: None}
         self.draft_pools: dict[str, BatchedKVCache | None] = {}  # batch drafters' rows (None: one keeps no cache)
         for name, drafter in (drafters or {}).items():
@@ -332,9 +345,14 @@ class Scheduler:
         drafter = self.default_drafter if drafter is None else drafter
         if drafter not in self.drafters:
             raise KeyError(f"unknown drafter {drafter!r}: loaded are {', '.join(self.drafters)}")
+        tree = self.default_tree if tree is None else tree
+        nodes = most_tree_nodes(self.drafters[drafter], tree)
+        if self.pool is not None and nodes is not None and nodes > self.tree_slots:
+            raise ValueError(f"drafter {drafter!r} with tree {tree!r} verifies up to {nodes} nodes, more than the "
+                             f"{self.tree_slots} slots each row of this scheduler's KV pool holds for a tree")
         request = new_request(
             self.target, self._next_handle, prompt, max_new_tokens, max_len=self.max_len, drafter_name=drafter,
-            drafter=self.drafters[drafter], tree=self.default_tree if tree is None else tree,
+            drafter=self.drafters[drafter], tree=tree,
             acceptance=self.default_acceptance if acceptance is None else acceptance, text=text, **options,
         )
         self._next_handle += 1
@@ -843,6 +861,23 @@ class Scheduler:
         if request.draft_row is not None:
             self.draft_pools[request.drafter_name].release(request.draft_row)
             request.draft_row = None
+
+
+def most_tree_nodes(drafter: Drafter | None, tree: TreePolicy) -> int | None:
+    """The most nodes, root included, that one step of ``drafter`` growing ``tree`` verifies (None: a policy this
+    does not know the size of). Prompt lookup copies a trie of its matches whatever the policy's shape; a composite
+    drafts with one of its two drafters a step."""
+    if drafter is None:
+        return 1
+    if isinstance(drafter, PromptLookup):
+        return 1 + drafter.max_matches * drafter.num_tokens
+    if isinstance(drafter, Composite):
+        first, then = most_tree_nodes(drafter.first, tree), most_tree_nodes(drafter.then, tree)
+        return None if first is None or then is None else max(first, then)
+    drafts = (tree.depth if isinstance(tree, Chain) else len(tree.choices) if isinstance(tree, StaticTree)
+              else tree.budget if isinstance(tree, DynamicTree) else tree.max_nodes if isinstance(tree, Adaptive)
+              else None)
+    return None if drafts is None else 1 + drafts
 
 
 def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, handles: list[int]) -> Part:

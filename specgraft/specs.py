@@ -45,11 +45,34 @@ DRAFTER_HELP = (
     "target's tokenizer; 'prompt-lookup+' before 'self', 'layer-skip:LAYERS' or a directory drafts by lookup first and with that "
     "drafter where lookup finds nothing ('prompt-lookup:K+...': the lookup copies up to K tokens, else as deep as the tree)"
 )
-TREE_HELP = (
-    "'chain:DEPTH', 'static:FILE.json' (Medusa-style paths of sibling ranks), 'dynamic:TOP_K,DEPTH,BUDGET' "
-    "(EAGLE-2), 'adaptive' or 'adaptive:MAX_DEPTH,MAX_NODES' (sized each step by expected goodput), or a tree file "
-    "written by `specgraft tune-tree`"
+# Every spelling of a tree `parse_tree` accepts: (form, an example, what it is, whether it reads a file). TREE_HELP and
+# every error that lists the accepted forms (`tree_forms`) are written from this one table, so none can leave one out.
+TREE_FORMS = (
+    ("chain:DEPTH", "chain:5", "one path", False),
+    ("static:FILE.json", "static:tree.json", "Medusa-style paths of sibling ranks", True),
+    ("dynamic:TOP_K,DEPTH,BUDGET", "dynamic:8,6,48", "EAGLE-2", False),
+    ("adaptive", "adaptive", "sized each step by expected goodput", False),
+    ("adaptive:MAX_DEPTH,MAX_NODES", "adaptive:6,16", "at most that deep and that many nodes", False),
+    ("FILE.json", "tree.json", "a tree file written by `specgraft tune-tree`", True),
 )
+
+
+def tree_forms(*, files: bool = True) -> str:
+    """The accepted tree spellings as one phrase (``files=False``: those that read no file, as a request's)."""
+    forms = [f"'{form}' ({meaning})" for form, _, meaning, reads in TREE_FORMS if files or not reads]
+    return ", ".join(forms[:-1]) + " or " + forms[-1]
+
+
+TREE_HELP = tree_forms()
+# A tree as a JSON object (a tree file's, a request's): its "kind" and the keys it takes.
+TREE_OBJECTS = {"chain": ("depth",), "static": ("choices",), "dynamic": ("top_k", "depth", "budget"),
+                "adaptive": ("max_depth", "max_nodes")}
+
+
+def tree_objects() -> str:
+    """The tree objects `TREE_OBJECTS` allows, as one phrase: ``{"kind": "chain", "depth"}, ...``."""
+    return ", ".join("{" + ", ".join([f'"kind": "{kind}"', *(f'"{key}"' for key in keys)]) + "}"
+                     for kind, keys in TREE_OBJECTS.items())
 # What `specgraft bench --baselines` runs beside the drafters (hf-assisted:PATH: HF assisted generation with PATH).
 BASELINE_KINDS = ("plain", "hf", "hf-pld", "hf-assisted:PATH")
 # The checkpoint layouts `specgraft export --to` writes and `specgraft import-head --format` reads.
@@ -281,11 +304,16 @@ class TreeFileSpec:
 TreeSpec = Union[ChainSpec, DynamicSpec, AdaptiveSpec, StaticFileSpec, TreeFileSpec]
 
 
+class UnknownTreeSpec(ValueError):
+    """A text that is none of `TREE_FORMS` (a known form with a bad value is a plain ValueError naming it)."""
+
+
 def parse_tree(text: str | TreeSpec) -> TreeSpec:
     """A tree spec from its text (see the module docstring); a spec is returned as it is. Reads no file.
 
     Raises:
-        ValueError: anything else, with the accepted spellings.
+        UnknownTreeSpec: none of the accepted spellings (the message lists them).
+        ValueError: a count below 1.
     """
     if not isinstance(text, str):
         return text
@@ -304,9 +332,12 @@ def parse_tree(text: str | TreeSpec) -> TreeSpec:
             return AdaptiveSpec()
         if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
             return AdaptiveSpec(*(int(p) for p in parts))
-    if kind not in ("chain", "static", "dynamic", "adaptive") and text.endswith(".json"):
+    if kind not in _TREE_KINDS and text.endswith(".json"):
         return TreeFileSpec(text)
-    raise ValueError(f"unknown tree spec {text!r}: expected {TREE_HELP}")
+    raise UnknownTreeSpec(f"unknown tree spec {text!r}: expected {TREE_HELP}")
+
+
+_TREE_KINDS = {form.partition(":")[0] for form, *_ in TREE_FORMS if ":" in form}  # chain, static, dynamic, adaptive
 
 
 def _at_least_one(spec: ChainSpec | DynamicSpec, *names: str) -> None:

@@ -125,7 +125,12 @@ def test_no_speculation_gives_the_same_text_with_one_target_call_per_token(clien
     k2 = client.completions.create(**args, extra_body={"speculative": {"drafter": "eagle", "num_speculative_tokens": 2}})
     tree = client.completions.create(**args, extra_body={"speculative": {"drafter": "eagle", "tree": [[0], [1], [0, 0]]}})
     assert k2.choices[0].text == tree.choices[0].text == fast.choices[0].text
-    assert k2.speculative_stats["tree"] == repr(sg.Chain(2))
+    assert k2.speculative_stats["tree"] == repr(sg.Chain(2, draw="top-k"))  # greedy draws top-k whatever the policy's draw
+    # the default drafter (prompt lookup) reports the trie it copies, not None
+    assert fast.speculative_stats["tree"] == "prompt-lookup trie: up to 4 matches, at most 8 tokens deep"
+    sampled = client.completions.create(**{**args, "temperature": 0.8, "seed": 1},
+                                        extra_body={"speculative": {"drafter": "eagle", "num_speculative_tokens": 2}})
+    assert sampled.speculative_stats["tree"] == repr(sg.Chain(2, draw="sample"))
 
 
 def test_sampling_options_reach_the_engine_as_offline_sampling_takes_them(client, stories, dev_prompts):
@@ -185,6 +190,67 @@ def test_a_failing_drafter_fails_only_its_request(server, client, plain, dev_pro
     good = client.completions.create(model=MODEL, prompt=dev_prompts[4], max_tokens=8, temperature=0,
                                      extra_body={"speculative": {"drafter": "boom"}})
     assert good.choices[0].text == plain.generate(dev_prompts[4], max_new_tokens=8).text
+
+
+def test_the_tree_a_request_reports_is_the_one_it_used():
+    from specgraft.infer.serve.server import Choice
+
+    lookup = sg.PromptLookup(num_tokens=8)
+    assert Choice("p", lookup, sg.Adaptive(max_depth=6), "p").tree_label(greedy=True) == (
+        f"prompt-lookup trie: up to 4 matches, at most 6 tokens deep, sized each step by {sg.Adaptive(max_depth=6)!r}")
+    assert Choice("n", None, sg.Adaptive(), "none").tree_label(greedy=True) is None  # speculation off
+    static = sg.StaticTree([[0], [1]], draw="sample")
+    assert Choice("e", object(), static, "e").tree_label(greedy=True) == repr(sg.StaticTree([[0], [1]], draw="top-k"))
+    assert Choice("e", object(), static, "e").tree_label(greedy=False) == repr(static)
+    assert Choice("e", object(), sg.Adaptive(), "e").tree_label(greedy=True) == repr(sg.Adaptive())
+
+
+@pytest.mark.parametrize("text", ["bogus", "tree.json", "static:tree.json", "adaptive:3"])
+def test_a_bad_request_tree_lists_every_form_a_request_may_use(text):
+    from specgraft.infer.serve.server import HTTPError, request_tree
+    from specgraft.specs import TREE_FORMS, TREE_OBJECTS
+
+    with pytest.raises(HTTPError) as err:
+        request_tree(text)
+    for form, _, _, reads_a_file in TREE_FORMS:
+        assert (f"'{form}'" in err.value.message) is not reads_a_file, form
+    assert all(f'"kind": "{kind}"' in err.value.message for kind in TREE_OBJECTS)
+
+
+def test_the_kv_pool_holds_a_row_the_largest_tree_the_server_admits_not_a_fixed_1024(stories):
+    """A request's tree is at most MAX_TREE_NODES drafts (and a prompt lookup's trie of K <= 64 tokens, 4 matches, as
+    many): with the default Adaptive tree (16 nodes) the headroom is 257 slots, root included, not 1,024."""
+    from specgraft.infer.serve.protocol import MAX_SPECULATIVE_TOKENS, MAX_TREE_NODES
+    from specgraft.infer.serve.server import tree_headroom
+    from specgraft.model import TREE_SLOTS
+
+    assert 4 * MAX_SPECULATIVE_TOKENS == MAX_TREE_NODES  # (the lookup's trie at a request's deepest K is as large)
+    lookups = {"none": None, "prompt-lookup": sg.PromptLookup()}
+    assert tree_headroom(lookups, sg.Adaptive()) == 1 + MAX_TREE_NODES == 257
+    wide = sg.StaticTree([[i] for i in range(300)])  # a default tree larger than any request's
+    assert tree_headroom(lookups, wide) == 257  # (prompt lookup ignores the tree's shape)
+    assert tree_headroom({**lookups, "self": sg.DraftModel(stories, stories)}, wide) == 301
+    assert tree_headroom({**lookups, "long": sg.PromptLookup(num_tokens=100, max_matches=5)}, sg.Chain(4)) == 501
+    assert tree_headroom({**lookups, "pl+self": sg.Composite(sg.PromptLookup(), sg.DraftModel(stories, stories))},
+                         sg.Adaptive(max_depth=8, max_nodes=400)) == 401
+    app = create_app(stories, {}, default_tree=sg.Chain(4), max_batch_size=2)
+    engine = app.state.specgraft.engine
+    assert engine.scheduler.pool.kv.shape[4] == engine.scheduler.max_len + 257 < engine.scheduler.max_len + TREE_SLOTS
+    assert "+ 257 for a tree" in engine.describe()
+
+
+def test_the_scheduler_refuses_a_tree_larger_than_its_rows_hold(stories):
+    drafters = {"prompt-lookup": sg.PromptLookup(num_tokens=8), "self": sg.DraftModel(stories, stories)}
+    sched = sg.Scheduler(stories, drafters, max_batch_size=1, tree_slots=20)
+    assert sched.pool.kv.shape[4] == sched.max_len + 20
+    sched.submit("Once", 4, drafter="none", tree=sg.Chain(40))  # speculation off verifies its root alone
+    sched.submit("Once", 4, drafter="self", tree=sg.Chain(19))
+    with pytest.raises(ValueError, match="verifies up to 33 nodes, more than the 20 slots"):
+        sched.submit("Once", 4, drafter="prompt-lookup")  # 4 matches of 8 tokens, and the root
+    with pytest.raises(ValueError, match="verifies up to 21 nodes, more than the 20 slots"):
+        sched.submit("Once", 4, drafter="self", tree=sg.Chain(20))
+    with pytest.raises(ValueError, match="tree_slots must be a positive integer"):
+        sg.Scheduler(stories, max_batch_size=1, tree_slots=0)
 
 
 def bad_requests() -> list[tuple[str, object, int, str]]:

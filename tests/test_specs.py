@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import pytest
 
 from specgraft.specs import (
     ChainSpec, CompositeSpec, DirectorySpec, DynamicSpec, LayerSkipSpec, NoDrafter, PromptLookupSpec, SelfSpec,
-    StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
+    TREE_FORMS, TREE_HELP, TREE_OBJECTS, StaticFileSpec, TreeFileSpec, TreeSpec, UnknownTreeSpec, check_drafter,
+    parse_drafter, parse_tree, tree_file, tree_forms,
 )
 
 
@@ -57,6 +59,29 @@ def test_a_bad_drafter_spec_names_itself(text, message):
 def test_an_unknown_tree_spec_lists_the_spellings(text):
     with pytest.raises(ValueError, match="unknown tree spec.*chain:DEPTH.*dynamic:TOP_K,DEPTH,BUDGET"):
         parse_tree(text)
+
+
+def test_the_table_of_tree_forms_holds_every_kind_of_spec_and_every_listing_names_each_form():
+    """TREE_FORMS is the one list: its examples parse to every kind of tree spec there is, and the help, the
+    parser's error and a request's list (the forms that read no file) name each form of it."""
+    parsed = [parse_tree(example) for _, example, _, _ in TREE_FORMS]
+    assert {type(spec) for spec in parsed} == set(typing.get_args(TreeSpec))
+    assert [tree_file(spec) is not None for spec in parsed] == [reads for *_, reads in TREE_FORMS]
+    with pytest.raises(UnknownTreeSpec) as err:
+        parse_tree("bogus")
+    for form, _, _, reads in TREE_FORMS:
+        assert f"'{form}'" in TREE_HELP and f"'{form}'" in str(err.value)
+        assert (f"'{form}'" in tree_forms(files=False)) is not reads
+    assert "'adaptive'" in tree_forms(files=False) and "'adaptive:MAX_DEPTH,MAX_NODES'" in tree_forms(files=False)
+
+
+def test_a_tree_object_of_unknown_kind_lists_every_kind():
+    from specgraft.tree import tree_from_spec
+
+    with pytest.raises(ValueError, match="unknown kind 'adaptve'") as err:
+        tree_from_spec({"kind": "adaptve", "max_depth": 3, "max_nodes": 6}, where="speculative.tree")
+    for kind in TREE_OBJECTS:
+        assert f'"kind": "{kind}"' in str(err.value)
 
 
 @pytest.mark.parametrize(("text", "message"), [("chain:0", "depth must be >= 1"), ("dynamic:8,0,48", "depth must be >= 1")])

@@ -22,7 +22,9 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 
 import torch
 
-from specgraft.specs import AdaptiveSpec, ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree
+from specgraft.specs import (
+    TREE_OBJECTS, AdaptiveSpec, ChainSpec, DynamicSpec, StaticFileSpec, TreeSpec, parse_tree, tree_objects,
+)
 from specgraft.tree.draw import Picked, check_draw, pick_children
 from specgraft.tree.sampling import Sampling
 from specgraft.tree.tree import ROOT_PARENT, Tree
@@ -394,6 +396,9 @@ def tree_from_spec(data: Any, where: str = "tree spec") -> TreePolicy:
     from specgraft.tree.dynamic import DynamicTree
 
     kind = data.get("kind") if isinstance(data, dict) else None
+    if kind is not None and kind not in TREE_OBJECTS:
+        raise ValueError(f"{where}: unknown kind {kind!r}; a tree object is one of {tree_objects()}, "
+                         "or a list of paths like [[0], [0, 0], [1]]")
 
     def count(key: str) -> int:
         if key not in data:

@@ -29,7 +29,7 @@ from specgraft.infer.observer import StepObserver
 from specgraft.infer.request import PromptIds
 from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.stats import GenerationStats
-from specgraft.model import Target
+from specgraft.model import TREE_SLOTS, Target
 from specgraft.tree import TreePolicy
 
 IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between looks at its command queue
@@ -106,6 +106,7 @@ class Engine:
         max_batch_size: most generations running at once: the rows of the KV pool, allocated here.
         max_queue: most generations waiting for a row; more are refused with `QueueFull`.
         max_len: most tokens (prompt + new) of a request (see `Scheduler`).
+        tree_slots: the KV pool's slots a row beyond ``max_len`` for the tree it verifies (see `Scheduler`).
         observer: receives load and latency reports, and the scheduler's steps (metrics).
     """
 
@@ -117,11 +118,13 @@ class Engine:
         max_batch_size: int = 16,
         max_queue: int = 256,
         max_len: int | None = None,
+        tree_slots: int = TREE_SLOTS,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1 and max_queue ({max_queue}) >= 0")
-        self.scheduler = Scheduler(target, drafters, max_batch_size=max_batch_size, max_len=max_len)
+        self.scheduler = Scheduler(target, drafters, max_batch_size=max_batch_size, max_len=max_len,
+                                   tree_slots=tree_slots)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.observer = observer or EngineObserver()
@@ -144,7 +147,8 @@ class Engine:
             return (f"KV caches: per generation (Hugging Face's forward), up to {self.max_batch_size} generations "
                     f"of {sched.max_len} tokens")
         layers, _, rows, heads, slots, dim = sched.pool.kv.shape
-        line = (f"KV pool: {rows} rows x {slots} slots ({sched.max_len} tokens + one tree) x {layers} layers x "
+        line = (f"KV pool: {rows} rows x {slots} slots ({sched.max_len} tokens + {sched.tree_slots} for a tree) x "
+                f"{layers} layers x "
                 f"{heads} kv heads x {dim} dims, {sched.pool.kv.dtype}: {sched.pool_bytes / 2**20:,.1f} MiB")
         pooled = [name for name, pool in sched.draft_pools.items() if pool is not None]  # (Medusa, lookup: none)
         if pooled:

@@ -28,9 +28,9 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-# Speculation limits per request: a request picks its own tree, so its size is bounded here
-# (the target's cache keeps TREE_SLOTS = 1024 spare positions for a tree; a tree this size already
-# costs far more to verify than it can save).
+# Speculation limits per request: a request picks its own tree, so its size is bounded here (the server's KV pool
+# holds a row's slots for the largest tree it admits, these included: `tree_headroom`; a tree this size already costs
+# far more to verify than it can save).
 MAX_SPECULATIVE_TOKENS = 64
 MAX_TREE_NODES = 256
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
@@ -45,7 +45,7 @@ class Speculative(BaseModel):
 
     drafter: str = "auto"  # a name the server loaded, "auto" (the server's default) or "none"
     num_speculative_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
-    tree: str | list[list[int]] | dict[str, Any] | None = None  # chain:K, dynamic:TOP_K,DEPTH,BUDGET, paths, or a spec
+    tree: str | list[list[int]] | dict[str, Any] | None = None  # a tree spec (no file), paths, or a tree object
 
 
 class StreamOptions(BaseModel):

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -50,10 +50,11 @@ from specgraft.infer.serve.protocol import (
     stop_strings,
 )
 from specgraft.infer.request import PromptIds, check_prompt
+from specgraft.infer.scheduler import most_tree_nodes
 from specgraft.infer.serve.metrics import Metrics
 from specgraft.infer.stats import GenerationStats
-from specgraft.model import Target
-from specgraft.specs import PROMPT_LOOKUP, parse_tree, tree_file
+from specgraft.model import TREE_SLOTS, Target
+from specgraft.specs import PROMPT_LOOKUP, UnknownTreeSpec, parse_tree, tree_file, tree_forms, tree_objects
 from specgraft.tree import Adaptive, Chain, StaticTree, TreePolicy, policy_from_spec, tree_from_spec
 
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait: a batch of steps frees rows within about a second
@@ -77,7 +78,23 @@ class Choice:
     drafter: Drafter | None
     tree: TreePolicy
     name: str  # the drafter the request named (resolved from "auto")
-    tree_label: str | None  # the tree stats report (None: no tree, as for prompt lookup or speculation off)
+
+    def tree_label(self, *, greedy: bool) -> str | None:
+        """The tree the request's stats report: what its drafter grows, drawn as the request draws (None: speculation
+        off). A greedy request draws every child top-k whatever the policy's ``draw``; prompt lookup ignores the
+        policy's shape and copies a trie of its matches, whose depth an `Adaptive` tree sizes."""
+        if self.drafter is None:
+            return None
+        if isinstance(self.drafter, PromptLookup):
+            lookup = self.drafter
+            if isinstance(self.tree, Adaptive):
+                return (f"prompt-lookup trie: up to {lookup.max_matches} matches, at most "
+                        f"{min(lookup.num_tokens, self.tree.max_depth)} tokens deep, sized each step by {self.tree!r}")
+            return f"prompt-lookup trie: up to {lookup.max_matches} matches, at most {lookup.num_tokens} tokens deep"
+        tree = self.tree
+        if greedy and getattr(tree, "draw", "top-k") != "top-k":  # (DynamicTree and Adaptive always draw top-k)
+            tree = replace(tree, draw="top-k")
+        return repr(tree)
 
 
 @dataclass
@@ -106,7 +123,7 @@ class ServerState:
                             param="speculative")
         drafter = self.drafters[name]
         if drafter is None:
-            return Choice(name, None, self.default_tree, name, None)
+            return Choice(name, None, self.default_tree, name)
         tree = self.default_tree
         if spec.num_speculative_tokens is not None:
             tree = Chain(depth=spec.num_speculative_tokens)
@@ -115,27 +132,30 @@ class ServerState:
         if isinstance(drafter, PromptLookup):  # copies tokens, ignores trees: K is how many it copies
             k = spec.num_speculative_tokens
             if k is None:
-                return Choice(name, drafter, tree, name, None)
+                return Choice(name, drafter, tree, name)
             lookup = self.prompt_lookups.setdefault(k, PromptLookup(num_tokens=k))
-            return Choice(f"{name}:num_tokens={k}", lookup, tree, name, None)
-        return Choice(name, drafter, tree, name, repr(tree))
+            return Choice(f"{name}:num_tokens={k}", lookup, tree, name)
+        return Choice(name, drafter, tree, name)
 
     def available(self) -> list[str]:
         return ["auto", *self.drafters]
 
 
 def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
-    """A tree from a request: ``chain:K``, ``dynamic:TOP_K,DEPTH,BUDGET``, ``adaptive[:DEPTH,NODES]``, static paths,
-    or a spec object.
+    """A tree from a request: a spelling of `TREE_FORMS` that reads no file, static paths, or a tree object
+    (`TREE_OBJECTS`).
 
     Never a file: a request must not make the server read its disk.
     """
     try:
         if isinstance(spec, str):
-            parsed = parse_tree(spec)
-            if tree_file(parsed) is not None:
-                raise ValueError(f"tree {spec!r}: a request takes 'chain:K', 'dynamic:TOP_K,DEPTH,BUDGET', "
-                                 "a list of paths or a tree spec object (never a file)")
+            try:
+                parsed = parse_tree(spec)
+            except UnknownTreeSpec:  # its message lists the file forms too, which a request may not use
+                parsed = None
+            if parsed is None or tree_file(parsed) is not None:
+                raise ValueError(f"tree {spec!r}: a request takes {tree_forms(files=False)}, a list of paths, or a "
+                                 f"tree object: {tree_objects()} (never a file)")
             tree = policy_from_spec(parsed)
         elif isinstance(spec, list):
             tree = StaticTree(spec)
@@ -153,6 +173,17 @@ def request_tree(spec: str | list[list[int]] | dict[str, Any]) -> TreePolicy:
         raise HTTPError(400, f"tree {spec!r} is too large: depth {depth} (at most {MAX_SPECULATIVE_TOKENS}), "
                         f"{nodes} nodes (at most {MAX_TREE_NODES})", param="speculative.tree")
     return tree
+
+
+def tree_headroom(drafters: dict[str, Drafter | None], default_tree: TreePolicy) -> int:
+    """The KV pool's slots a row for the tree it verifies: the most nodes, root included, of the largest tree this
+    server admits, whichever drafter grows it: the default tree, a request's (`request_tree`: at most
+    `MAX_TREE_NODES` drafts, `MAX_SPECULATIVE_TOKENS` deep), or a prompt lookup's trie (a request's
+    ``num_speculative_tokens`` copies that many tokens). `TREE_SLOTS` where a drafter's trees have no known bound."""
+    trees = (default_tree, Chain(depth=MAX_SPECULATIVE_TOKENS))  # (a lookup's trie ignores the tree's shape)
+    sizes = [most_tree_nodes(drafter, tree) for drafter in drafters.values() for tree in trees]
+    sizes += [1 + MAX_TREE_NODES, most_tree_nodes(PromptLookup(num_tokens=MAX_SPECULATIVE_TOKENS), default_tree)]
+    return TREE_SLOTS if None in sizes else max(sizes)
 
 
 def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> PromptIds:
@@ -214,10 +245,12 @@ def create_app(
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:
         raise ValueError(f"--default-drafter {default_drafter!r} is not loaded: choose from {', '.join(drafters)}")
+    default_tree = default_tree or Adaptive()
     metrics = Metrics()
-    engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
+    engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics,
+                    tree_slots=tree_headroom(drafters, default_tree))
     state = ServerState(
-        target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree or Adaptive(),
+        target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree,
         model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,
     )
 
@@ -339,7 +372,7 @@ async def serve(state: ServerState, request: Request, body: CompletionRequest | 
     choice = state.resolve(body.speculative)
     job = Job(drafter_key=choice.key, drafter=choice.drafter, tree=choice.tree, prompt=prompt_ids,
               max_new_tokens=max_tokens, options=engine_options(body), loop=asyncio.get_running_loop(),
-              drafter_name=choice.name, tree_label=choice.tree_label)
+              drafter_name=choice.name, tree_label=choice.tree_label(greedy=body.temperature == 0))
     try:
         state.engine.submit(job)
     except QueueFull as err:
@@ -486,7 +519,7 @@ def speculative_stats(job: Job, stats: GenerationStats) -> dict[str, Any]:
     return {
         "drafter": job.drafter_name,
         "tree": job.tree_label,
-        "mean_accepted_length": stats.mean_accepted_length,
+        "mean_accepted_length": stats.tau,  # null where no verification step ran (an answer of only EOS)
         "target_calls": stats.target_calls + 1,
         "draft_tokens_per_token": stats.draft_tokens_per_token,
     }
