@@ -3,14 +3,15 @@
 An arrow is "may import". The rooms, from the bottom up:
 
     specgraft.specs, specgraft.threads,  nothing of ours (the spec grammar; the thread choice; lazy package
-    specgraft.lazy                        exports, which any room may use)
+    specgraft.lazy, specgraft.progress    exports, which any room may use; progress bars)
     specgraft.tree                        specs
     specgraft.model                       threads
     specgraft.heads                       tree, model, specs
     specgraft.config                      heads (their typed configs), specs
     specgraft.infer                       heads, tree, model, specs, threads (its `serve` package, the HTTP layer,
                                           is imported only by the cli, and alone imports the HTTP stack)
-    specgraft.train                       heads, model, config, tree, specs (and infer for evaluation and regeneration only)
+    specgraft.train                       heads, model, config, tree, specs, progress (and infer for evaluation and
+                                          regeneration only)
     specgraft.tools                       the public API: `specgraft` and its rooms' packages, never their modules
     specgraft.cli                         everything; nothing imports it but a ``__main__`` entry point
 
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"specgraft": "specgraft", "heads": "specgraft.heads", "tree": "specgraft.tree",
            "infer": "specgraft.infer", "train": "specgraft.train"}
 LAZY = "specgraft.lazy"  # a package's PEP 562 exports: any room's package may use it
-LEAVES = ("specgraft.specs", "specgraft.threads", LAZY)  # stdlib only
+LEAVES = ("specgraft.specs", "specgraft.threads", LAZY, "specgraft.progress")  # no module of ours
 ROOMS = (*LEAVES, "specgraft.tree", "specgraft.model", "specgraft.heads",
          "specgraft.config", "specgraft.infer", "specgraft.train", "specgraft.tools", "specgraft.cli")
 ALLOWED = {
@@ -42,7 +43,8 @@ ALLOWED = {
     "specgraft.heads": {"specgraft.tree", "specgraft.model", "specgraft.specs"},
     "specgraft.config": {"specgraft.heads", "specgraft.specs"},
     "specgraft.infer": {"specgraft.heads", "specgraft.tree", "specgraft.model", "specgraft.specs", "specgraft.threads"},
-    "specgraft.train": {"specgraft.heads", "specgraft.model", "specgraft.config", "specgraft.tree", "specgraft.specs"},
+    "specgraft.train": {"specgraft.heads", "specgraft.model", "specgraft.config", "specgraft.tree", "specgraft.specs",
+                        "specgraft.progress"},
     "specgraft.tools": {"specgraft", *ROOMS[:-2]},
     "specgraft": set(ROOMS[:-2]),
 }

@@ -372,3 +372,31 @@ def test_train_fraction_trains_on_a_nested_share_and_keeps_the_held_out_split(st
     key = lambda examples: {tuple(e["input_ids"]) for e in examples}  # noqa: E731
     assert key(quarter) < key(half) < key(full)
     assert not key(full) & key(f_held)
+
+
+def test_train_redirected_writes_lines_not_progress_bars(stories, tmp_path, examples, monkeypatch, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from specgraft.cli import main
+
+    text = tmp_path / "stories.jsonl"
+    text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": stories.name},
+        "head": {"type": "medusa", "num_heads": 1},
+        "data": {"train": str(text), "max_length": 32, "eval_fraction": 0.0},
+        "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8},
+    }))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    hf_logging.enable_progress_bar()  # as a user's process starts (the test session turns it off)
+    try:
+        assert main(["train", str(config), "training.max_steps=3"]) == 0
+    finally:
+        hf_logging.disable_progress_bar()
+    out, err = capfd.readouterr()  # the file descriptors, as a shell redirect sees them
+    assert "\r" not in out + err and "Loading weights" not in err and "it/s" not in err, err
+    progress = [line for line in err.splitlines() if line.startswith("train:")]
+    assert len(progress) == 1 and progress[0].startswith("train: 3/3 step (100%), 0m00s, loss="), err
+    assert len(err.splitlines()) <= 3, err  # besides it, at most DeepSpeed's probe for libaio (the linker's 2 lines)
+    assert out.splitlines()[-1] == f"head written to {tmp_path / 'run' / 'head'}"

@@ -46,13 +46,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from specgraft.config import TrainConfig
 from specgraft.heads.base import TrainBatch
 from specgraft.heads.checkpoint import atomic_write, target_signature
 from specgraft.model import Target
 from specgraft.model.target import DTYPES
+from specgraft.progress import progress_bar
 from specgraft.train.features import check_layers
 
 MANIFEST = "manifest.json"
@@ -241,7 +241,7 @@ def extract_features(
         shard_size: examples per shard; None: about `SHARD_BYTES` of features per shard. An existing
             cache keeps its own layout.
         batch_size: sequences per target forward; None: ``training.micro_batch_size``.
-        progress: show a tqdm bar.
+        progress: show progress (`specgraft.progress`).
 
     Raises:
         ValueError: no examples, a layer out of range, logits that are not the output layer of the
@@ -282,7 +282,7 @@ def extract_features(
     total = sum(manifest.shards[i][1] - manifest.shards[i][0] for i in mine)
     initial = sum(manifest.shards[i][1] - manifest.shards[i][0] for i in mine if done[i])
     written = []
-    bar = tqdm(total=total, initial=initial, desc="extract features", unit="seq", disable=not progress or rank != 0)
+    bar = progress_bar(total=total, initial=initial, desc="extract features", unit="seq", enabled=progress and rank == 0)
     with bar:
         for i in mine:
             name, (start, stop), complete = names[i], manifest.shards[i], done[i]
@@ -346,7 +346,7 @@ def _extract_shard(
     batch_size: int,
     *,
     check_logits: bool,
-    bar: tqdm,
+    bar: Any,
 ) -> dict[str, torch.Tensor]:
     """One shard's tensors: "layer.{i}" -> (N, H), the examples' rows concatenated in order."""
     from specgraft.train.data import collate

@@ -47,12 +47,12 @@ import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from specgraft.model import Target
+from specgraft.progress import progress_bar
 from specgraft.train.data import detect_format, has_chat_template, normalize_record, prompt_ids
 from specgraft.train.endpoint import EndpointClient, Sampling, request_seed
 from specgraft.train.heldout import HeldOut, normalize
@@ -146,7 +146,7 @@ def regenerate(
             the known evaluation sets of `specgraft.train.heldout`.
         max_prompts: answer only the first this many inputs that pass the
             filters (a CPU-sized slice of a large prompt file); None: all.
-        progress: show a tqdm bar.
+        progress: show progress (`specgraft.progress`).
         endpoint: generate through this OpenAI-compatible server instead of ``target.model`` (which is then
             not called: the target's tokenizer, context length and stop ids are all regeneration reads).
         concurrency: with ``endpoint``, requests in flight (``batch_size`` is then unused).
@@ -193,7 +193,7 @@ def regenerate(
     total = len(jobs) + max(self_instruct, self_done)
     with (
         write_path.open("a", encoding="utf-8") as out,
-        tqdm(total=total, initial=summary.skipped + self_done, desc="regenerate", unit="rec", disable=not progress) as bar,
+        progress_bar(total=total, initial=summary.skipped + self_done, desc="regenerate", unit="rec", enabled=progress) as bar,
         torch.random.fork_rng(devices=_rng_devices(target.device), device_type=target.device.type),
     ):
         torch.manual_seed(seed + rank)  # HF generate's sampling; the other runners seed each request by its record
@@ -239,7 +239,7 @@ def _self_instruct(
     gate: "_UserTurns",
     done: set[str],
     write: Callable[["_Job"], int],
-    bar: tqdm,
+    bar: Any,
     summary: RegenerateSummary,
     id_prefix: str = SELF_INSTRUCT_PREFIX,
 ) -> None:

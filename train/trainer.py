@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
-from tqdm.auto import tqdm
 
 from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
 from specgraft.heads.base import TrainableHead, uses_target_logits
 from specgraft.heads.checkpoint import save_head
 from specgraft.model import Target
+from specgraft.progress import progress_bar
 from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
 from specgraft.train.features import target_batch
 
@@ -403,8 +403,8 @@ class Trainer:
         """Run optimizer steps until the step budget; return the final metrics."""
         t = self.cfg.training
         self.head.train()
-        self._progress = tqdm(
-            total=self.total_steps, initial=self.step, desc="train", unit="step", disable=not self.env.is_main
+        self._progress = progress_bar(
+            total=self.total_steps, initial=self.step, desc="train", unit="step", enabled=self.env.is_main
         )
         consumed = self.step * self.accumulation  # micro-batches this rank has trained on
         window: list[float] = []

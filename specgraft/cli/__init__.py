@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     # The top-level parser has no options but --help, so the first bare word names the command.
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else "").parse_args(argv)
+    from specgraft.progress import quiet_libraries
+
+    quiet_libraries()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError, NotImplementedError) as err:

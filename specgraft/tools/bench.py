@@ -47,6 +47,7 @@ import torch
 from specgraft.heads import Drafter, PromptLookup, drafter_from_spec
 from specgraft.infer import GenerationStats
 from specgraft.model import Target
+from specgraft.progress import progress_bar
 from specgraft.specs import (
     CompositeSpec, DirectorySpec, DrafterSpec, NoDrafter, StaticFileSpec, TreeFileSpec, check_drafter, parse_drafter, parse_tree,
 )
@@ -213,13 +214,11 @@ def run_interleaved(
 
     Load on a shared machine then falls on every method alike (`specgraft tune-tree` times its trees so too).
     """
-    from tqdm import tqdm
-
     for ids in encoded[:warmup]:
         for runner in runners:
             runner.generate(ids, max_new_tokens)
     runs: dict[str, list[PromptRun]] = {r.name: [] for r in runners}
-    bar = tqdm(list(zip(prompts, encoded)), desc=desc, unit="prompt", disable=not progress)
+    bar = progress_bar(list(zip(prompts, encoded)), desc=desc, unit="prompt", enabled=progress)
     for index, (prompt, ids) in enumerate(bar):
         for k in range(len(runners)):
             runner = runners[(index + k) % len(runners)]

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 from specgraft.heads import Drafter
 from specgraft.infer import GoodputController, SpeculativeGenerator, format_tau, percentile, quartiles
 from specgraft.model import Target
+from specgraft.progress import progress_bar
 from specgraft.tools.bench_report import counted
 from specgraft.tools.step_counts import count_decoding
 from specgraft.tree import Adaptive, TreePolicy
@@ -59,8 +60,6 @@ def run_batch_sweep(
         ValueError: a batch size larger than the number of prompts, a method other than plain decoding
             first (it is the reference every output is checked against), or fewer than one round.
     """
-    from tqdm import tqdm
-
     if not methods or methods[0][1] is not None:
         raise ValueError("the first method must be plain decoding (drafter None): it is the reference")
     if rounds < 1:
@@ -78,7 +77,7 @@ def run_batch_sweep(
         for _, gen in gens:  # each method's memory for this size, allocated before any timing (see `reserve`)
             gen.reserve(b, max(len(p) for p in prompts) + max_new_tokens)
         runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
-        for index, group in enumerate(tqdm(groups, desc=f"batch {b}", unit="group", disable=not progress)):
+        for index, group in enumerate(progress_bar(groups, desc=f"batch {b}", unit="group", enabled=progress)):
             for k in range(len(gens)):
                 name, gen = gens[(index + k) % len(gens)]
                 start = time.perf_counter()

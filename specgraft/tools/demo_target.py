@@ -410,7 +410,7 @@ def build_demo_target(
     """Train tokenizer and model for ``spec`` into ``out_dir`` (model, tokenizer, training.json); return the info."""
     import torch
 
-    from tqdm.auto import tqdm
+    from specgraft.progress import progress_bar
     from transformers import GenerationConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
@@ -436,7 +436,7 @@ def build_demo_target(
     warmup = round(spec.warmup_ratio * spec.steps)
     loop_start = time.perf_counter()
     smoothed = None
-    bar = tqdm(total=spec.steps, desc="demo target", unit="step", disable=not progress)
+    bar = progress_bar(total=spec.steps, desc="demo target", unit="step", enabled=progress)
     step = 0
     while step < budget.planned:
         lr = _lr(step, budget.planned, warmup, spec.lr)

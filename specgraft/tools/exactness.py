@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from tqdm.auto import tqdm
+
+from specgraft.progress import progress_bar
 
 MIN_EXPECTED = 5.0  # chi-square wants about 5 expected counts per bin; rarer outcomes are pooled
 DELTA = 1e-3  # chance that an exact sampler exceeds the TV bound
@@ -156,7 +157,7 @@ def check_exactness(
         exact = enumerate_continuations(target, ids, length, sampling)
         counts = {"plain": Counter(), "speculative": Counter()}
         taus = []
-        for _ in tqdm(range(samples), desc=f"sampling {str(prompt)[:30]!r}", leave=False):
+        for _ in progress_bar(range(samples), desc=f"sampling {str(prompt)[:30]!r}", leave=False):
             counts["plain"][tuple(plain.generate(ids, **options).token_ids)] += 1
             out = generator.generate(ids, **options)
             counts["speculative"][tuple(out.token_ids)] += 1

@@ -126,11 +126,9 @@ def run_quickstart(cfg: QuickstartConfig, echo: Callable[[str], None] = print) -
     Raises:
         StageFailed: a stage raised; finished stages keep their markers.
     """
-    from datasets.utils import logging as datasets_logging
-    from transformers.utils import logging as hf_logging
+    from specgraft.progress import quiet_libraries
 
-    hf_logging.disable_progress_bar()  # "Loading weights" bars at every load; the stages show their own
-    datasets_logging.disable_progress_bar()  # "Generating train split" at every data load
+    quiet_libraries()  # "Loading weights" bars at every load; the stages show their own
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     stages = [
         Stage(name, key=partial(_stage_key, cfg, name),

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from specgraft.heads import Drafter
 from specgraft.infer import Scheduler, Tokens, TreeChoice, interpolate, size_tree
 from specgraft.model import Target
+from specgraft.progress import progress_bar
 from specgraft.tools.bench import run_interleaved
 from specgraft.tools.bench_runners import engine_runner
 from specgraft.tools.prompts import BenchPrompt
@@ -122,7 +122,7 @@ def measure_acceptance(
     hits = [[0] * RANKS for _ in range(depth)]
     reached = [0] * depth
     policy = RecordingChain(depth)
-    for ids in tqdm(prompts, desc="calibrating acceptance", leave=False):
+    for ids in progress_bar(prompts, desc="calibrating acceptance", leave=False):
         sched = _one_row(target, drafter, policy, ids, max_new_tokens)
         sched.submit(ids, max_new_tokens, eos_token_id=())
         prefilled = False
