@@ -549,6 +549,57 @@ def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_pa
         bench_main(args)
 
 
+def test_ctrl_c_writes_the_prompts_every_method_finished_and_says_where(stories, tmp_path, capsys, monkeypatch):
+    import specgraft.tools.bench as bench
+
+    prompts = PROMPTS + [BenchPrompt("2", "story", "There was a big tree.")]
+    prompts_file = _write_jsonl(tmp_path / "p.jsonl", [
+        {"question_id": p.id, "category": p.category, "turns": [p.text]} for p in prompts])
+    timed, calls = bench._timed, []
+
+    def ctrl_c_in_the_second_prompt(runner, ids, max_new_tokens):
+        calls.append(runner.name)
+        if len(calls) == 3:  # plain and prompt-lookup finished prompt 0; prompt 1 is half done
+            raise KeyboardInterrupt
+        return timed(runner, ids, max_new_tokens)
+
+    monkeypatch.setattr(bench, "_timed", ctrl_c_in_the_second_prompt)
+    out = tmp_path / "out"
+    args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--prompts", str(prompts_file),
+                 "--max-new-tokens", str(N), "--baselines", "plain", "--out", str(out))
+    assert bench_main(args) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.splitlines()[-1] == (
+        f"specgraft bench: interrupted after 1 of 3 prompts; the prompts every method finished are in "
+        f"{out / 'results.json'} (and results.md)"
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["prompts"] == 1 and results["settings"]["prompts_given"] == 3
+    assert results["settings"]["interrupted"] is True and results["greedy_identical"] is True
+    assert [(m["method"], m["prompts"], m["new_tokens"]) for m in results["methods"]] == [
+        ("plain", 1, N), ("prompt-lookup", 1, N)]
+    assert {r["prompt_id"] for r in results["per_prompt"]} == {"0"}
+    assert "**Interrupted** after 1 of 3 prompts" in (out / "results.md").read_text()
+    assert all((out / name).is_file() for name in PLOTS)
+
+
+def test_ctrl_c_before_any_prompt_finished_writes_nothing(stories, tmp_path, capsys, monkeypatch):
+    import specgraft.tools.bench as bench
+
+    def ctrl_c(runner, ids, max_new_tokens):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_timed", ctrl_c)
+    prompts_file = _write_jsonl(tmp_path / "p.jsonl", [{"question_id": 0, "turns": [PROMPTS[0].text]}])
+    args = _args("--target", str(STORIES), "--prompts", str(prompts_file), "--max-new-tokens", "2",
+                 "--baselines", "plain", "--out", str(tmp_path / "out"))
+    assert bench_main(args) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "specgraft bench: interrupted before every method finished a prompt; nothing written"
+    assert not (tmp_path / "out").exists()
+
+
 def test_aggregate_has_no_mean_accepted_length_where_no_prompt_made_a_verification_step():
     """An output of only EOS makes no verification step: its tau is null, not 0.0, and the others' stay theirs."""
     eos_only = sg.GenerationStats(new_tokens=1, target_calls=0).to_dict()

@@ -7,8 +7,11 @@ One plain process in-process; two processes under the `deepspeed` launcher
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
+import shlex
 import os
 import shutil
 import socket
@@ -372,6 +375,63 @@ def test_train_fraction_trains_on_a_nested_share_and_keeps_the_held_out_split(st
     key = lambda examples: {tuple(e["input_ids"]) for e in examples}  # noqa: E731
     assert key(quarter) < key(half) < key(full)
     assert not key(full) & key(f_held)
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes_from_it(
+    stories, tmp_path, examples, monkeypatch, capsys, caplog
+):
+    from specgraft.cli import main
+    from specgraft.tools.quickstart import specgraft_command
+    from specgraft.train.trainer import Trainer
+
+    text = tmp_path / "stories.jsonl"
+    text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": stories.name},
+        "head": {"type": "medusa", "num_heads": 1},
+        "data": {"train": str(text), "max_length": 32, "eval_fraction": 0.0},
+        "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8},
+    }))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    log_train = Trainer._log_train
+
+    def ctrl_c_at_step_3(self, *args, **kwargs):  # a SIGINT lands as KeyboardInterrupt in the loop
+        log_train(self, *args, **kwargs)
+        if self.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_log_train", ctrl_c_at_step_3)
+    argv = ["train", str(config), "training.max_steps=4", "training.save_every=2", "training.resume=never"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    command = shlex.join([specgraft_command(), "train", str(config), "training.max_steps=4", "training.save_every=2",
+                          "training.resume=auto"])
+    assert err.splitlines()[-1] == (
+        f"specgraft train: interrupted; the last checkpoint is {checkpoint}; continue from it with: {command}"
+    ), err
+    assert "Traceback" not in err
+
+    monkeypatch.setattr(Trainer, "_log_train", log_train)
+    with caplog.at_level(logging.INFO, logger="specgraft.train.trainer"):
+        assert main(shlex.split(command)[1:]) == 0  # the printed command continues from step 2 and finishes
+    assert f"resumed from {checkpoint} at step 2" in caplog.text
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    assert (tmp_path / "run" / "head" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_none_was_written(stories, tmp_path, monkeypatch):
+    from specgraft.cli import interrupted_training
+    from specgraft.cli.flags import add_config_arguments
+    from specgraft.tools.quickstart import specgraft_command
+
+    config = write_config(tmp_path, stories, tmp_path / "data.json", save_every=50)
+    args = add_config_arguments(argparse.ArgumentParser()).parse_args([str(config), "training.lr=1e-3"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    line = interrupted_training(args, load_config(config, args.overrides))
+    command = shlex.join([specgraft_command(), "train", str(config), "training.lr=1e-3", "training.resume=auto"])
+    assert line == f"specgraft train: interrupted before any checkpoint (one is written every 50 steps); start again with: {command}"
 
 
 def test_train_redirected_writes_lines_not_progress_bars(stories, tmp_path, examples, monkeypatch, capfd):

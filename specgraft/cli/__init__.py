@@ -136,13 +136,38 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Run ``specgraft train``; a Ctrl-C ends in one line naming the last checkpoint and the command that resumes."""
     cfg = _config(args)
     from specgraft.train.pipeline import run_training
 
-    head_dir = run_training(cfg)
+    try:
+        head_dir = run_training(cfg)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(interrupted_training(args, cfg), file=sys.stderr)
+        return 130
     if os.environ.get("RANK", "0") == "0":  # one line from a launcher's many processes
         print(f"head written to {head_dir}")
     return 0
+
+
+def interrupted_training(args: argparse.Namespace, cfg) -> str:
+    """What a Ctrl-C on ``specgraft train`` says: the last complete checkpoint (or that none exists yet) and the
+    command that continues from it (``training.resume=auto`` picks the newest checkpoint)."""
+    from specgraft.tools.quickstart import specgraft_command
+    from specgraft.train.trainer import latest_checkpoint
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher started this process: only it knows its command
+        command = "the same launch command with training.resume=auto"
+    else:
+        overrides = [o for o in args.overrides if not o.startswith("training.resume=")]
+        command = shlex.join([specgraft_command(), "train", args.config, *overrides, "training.resume=auto"])
+    checkpoint = latest_checkpoint(cfg.training.output_dir)
+    if checkpoint is not None:
+        return f"specgraft train: interrupted; the last checkpoint is {checkpoint}; continue from it with: {command}"
+    every = cfg.training.save_every
+    when = f"one is written every {every} steps" if every else "training.save_every=0 writes none"
+    return f"specgraft train: interrupted before any checkpoint ({when}); start again with: {command}"
 
 
 def cmd_extract_features(args: argparse.Namespace) -> int:
@@ -417,4 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError, NotImplementedError) as err:
         print(f"specgraft {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # commands with work worth naming (train, bench, quickstart) say more themselves
+        print(f"specgraft {args.command}: interrupted", file=sys.stderr)
+        return 130
 

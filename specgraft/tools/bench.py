@@ -171,6 +171,15 @@ class PromptRun:
     wall_s: float
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `run_bench`'s timed prompts, after what finished was written (when ``out_dir`` was given)."""
+
+    def __init__(self, results: dict[str, Any], out_dir: Path | None) -> None:
+        super().__init__(f"interrupted after {results['settings']['prompts']} of "
+                         f"{results['settings']['prompts_given']} prompts")
+        self.results, self.out_dir = results, out_dir
+
+
 MethodSpec = tuple[str, Drafter | None, TreePolicy | None] | Runner
 
 
@@ -208,22 +217,30 @@ def _check_lengths(target: Target, prompts: Sequence[BenchPrompt], encoded: Sequ
 
 def run_interleaved(
     runners: Sequence[Runner], prompts: Sequence[BenchPrompt], encoded: Sequence[list[int]],
-    max_new_tokens: int, warmup: int, progress: bool, desc: str = "bench",
+    max_new_tokens: int, warmup: int, progress: bool, desc: str = "bench", keep_on_interrupt: bool = False,
 ) -> dict[str, list[PromptRun]]:
     """Warm every method up, then each prompt runs every method in turn, starting one later each prompt.
 
     Load on a shared machine then falls on every method alike (`specgraft tune-tree` times its trees so too).
+    With ``keep_on_interrupt``, a Ctrl-C after the first prompt ends the loop and returns the prompts every
+    method finished (fewer runs than prompts); before it, or without the flag, the KeyboardInterrupt propagates.
     """
     for ids in encoded[:warmup]:
         for runner in runners:
             runner.generate(ids, max_new_tokens)
     runs: dict[str, list[PromptRun]] = {r.name: [] for r in runners}
     bar = progress_bar(list(zip(prompts, encoded)), desc=desc, unit="prompt", enabled=progress)
-    for index, (prompt, ids) in enumerate(bar):
-        for k in range(len(runners)):
-            runner = runners[(index + k) % len(runners)]
-            tokens, stats, wall = _timed(runner, ids, max_new_tokens)
-            runs[runner.name].append(PromptRun(prompt, tokens, stats, wall))
+    try:
+        for index, (prompt, ids) in enumerate(bar):
+            for k in range(len(runners)):
+                runner = runners[(index + k) % len(runners)]
+                tokens, stats, wall = _timed(runner, ids, max_new_tokens)
+                runs[runner.name].append(PromptRun(prompt, tokens, stats, wall))
+    except KeyboardInterrupt:
+        finished = min(len(method_runs) for method_runs in runs.values())
+        if not keep_on_interrupt or finished == 0:
+            raise
+        return {name: method_runs[:finished] for name, method_runs in runs.items()}
     return runs
 
 
@@ -293,6 +310,10 @@ def run_bench(
 
     Returns:
         The results.json object (see the module docstring and `aggregate`).
+
+    Raises:
+        BenchInterrupted: Ctrl-C after every method finished at least one prompt; the prompts every method
+            finished were aggregated (``settings.interrupted``) and written to ``out_dir`` first.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -310,12 +331,15 @@ def run_bench(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runs = run_interleaved(runners, prompts, encoded, max_new_tokens, warmup, progress)
+        runs = run_interleaved(runners, prompts, encoded, max_new_tokens, warmup, progress, keep_on_interrupt=True)
     finally:
         torch.set_num_threads(before)
+    finished = len(runs[names[0]])
+    interrupted = finished < len(prompts)
     entries = [_method_entry(r, runs[r.name]) for r in runners]
     for runner, entry in zip(runners, entries):  # counted on the first prompt, untimed (see `count_decoding`)
-        counts = count_decoding(runner.generator, encoded[:1], max_new_tokens) if runner.generator else None
+        count = runner.generator and not interrupted  # after a Ctrl-C, nothing more runs
+        counts = count_decoding(runner.generator, encoded[:1], max_new_tokens) if count else None
         entry.update(kernels_per_step=counts and counts.kernels_per_step, syncs_per_step=counts and counts.syncs_per_step)
     baseline_names = names[: len(baselines)]  # runner names: hf-assisted:PATH becomes hf-assisted:DIRNAME
     _add_speedups(entries, baseline_names)
@@ -324,7 +348,7 @@ def run_bench(
         "methods": entries,
         "greedy_identical": not mismatches if temperature == 0 else None,  # None: sampled, nothing to compare
         "mismatches": mismatches,
-        "settings": _settings(target, prompts, max_new_tokens, baseline_names, threads, warmup, reference,
+        "settings": _settings(target, prompts[:finished], max_new_tokens, baseline_names, threads, warmup, reference,
                               {"temperature": temperature, **(extra_settings or {})}),
         "per_prompt": [
             {"method": name, "prompt_id": r.prompt.id, "category": r.prompt.category, "new_tokens": len(r.tokens),
@@ -332,8 +356,12 @@ def run_bench(
             for name, method_runs in runs.items() for r in method_runs
         ],
     }
+    if interrupted:
+        results["settings"].update(interrupted=True, prompts_given=len(prompts))
     if out_dir is not None:
         write_results(results, out_dir)
+    if interrupted:
+        raise BenchInterrupted(results, None if out_dir is None else Path(out_dir))
     return results
 
 
@@ -633,11 +661,20 @@ def bench_main(args: argparse.Namespace) -> int:
     methods = _methods(args, trees, target)
     if batch_sizes:
         return _batch_bench(args, target, methods, prompts, batch_sizes, choice.why)
-    results = run_bench(
-        target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
-        temperature=args.temperature, threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out, progress=True,
-        extra_settings={"prompts_file": str(args.prompts), "limit": args.limit, "per_category": args.per_category, "threads_choice": choice.why},
-    )
+    try:
+        results = run_bench(
+            target, methods, prompts, max_new_tokens=args.max_new_tokens, baselines=baselines,
+            temperature=args.temperature, threads=torch.get_num_threads(), warmup=args.warmup, out_dir=args.out,
+            progress=True, extra_settings={"prompts_file": str(args.prompts), "limit": args.limit,
+                                           "per_category": args.per_category, "threads_choice": choice.why},
+        )
+    except BenchInterrupted as stop:
+        print(f"specgraft bench: {stop}; the prompts every method finished are in {stop.out_dir / 'results.json'} "
+              "(and results.md)", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("specgraft bench: interrupted before every method finished a prompt; nothing written", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(results, indent=2))
     else:

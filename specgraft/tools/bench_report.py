@@ -45,6 +45,11 @@ def results_markdown(results: Mapping[str, Any]) -> str:
             + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} mismatches).")
         ),
         "",
+    ]
+    if settings.get("interrupted"):
+        lines += [f"**Interrupted** after {settings['prompts']} of {settings['prompts_given']} prompts: the table "
+                  "holds the prompts every method finished.", ""]
+    lines += [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
     ]
