@@ -288,3 +288,41 @@ def test_printed_commands_work_without_activating_the_venv(monkeypatch, tmp_path
     assert qs.specgraft_command() == os.path.relpath(script)  # .venv/bin/specgraft after the README's set-up
     monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
     assert qs.specgraft_command() == "specgraft"
+
+
+# ------------------------------------------------------------------------------------------ where it writes
+
+
+def test_the_default_run_directory_is_runs_quickstart_which_git_ignores(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.config_from_args(parser().parse_args([])).out_dir == tmp_path / "runs" / "quickstart"
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert "runs/" in ignored  # a quickstart run from the repository root leaves nothing for git to show
+
+
+def test_the_first_and_last_lines_say_where_the_run_writes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
+    def run_quickstart(cfg, echo):  # the stages' work: 2.5 MB in the run directory
+        cfg.out_dir.mkdir(parents=True)
+        (cfg.out_dir / "head.bin").write_bytes(b"x" * 2_500_000)
+        return {}
+
+    monkeypatch.setattr(qs, "run_quickstart", run_quickstart)
+    monkeypatch.setattr(qs, "report", lambda cfg, outputs: "the report")
+    assert cli.cmd_quickstart(parser().parse_args(["--cache-dir", str(tmp_path / "cache")])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cached = tmp_path / "cache" / f"demo-target-{qs.QuickstartConfig().demo.key()}"
+    assert lines[0] == ("specgraft quickstart: writing data, a head and a benchmark to runs/quickstart "
+                        "(target: the demo target, trained once and cached in cache/" + cached.name + ")")
+    assert lines[-1] == ("specgraft quickstart: this run's files are in runs/quickstart (2.5 MB); "
+                         "the demo target stays cached in cache/" + cached.name)
+
+
+def test_a_named_target_and_out_directory_are_named_as_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = qs.QuickstartConfig(out_dir=tmp_path.parent / "elsewhere", target="HuggingFaceTB/SmolLM2-135M")
+    assert qs.opening_line(cfg) == (f"specgraft quickstart: writing data, a head and a benchmark to "
+                                    f"{tmp_path.parent / 'elsewhere'} (target: HuggingFaceTB/SmolLM2-135M)")
+    cfg.out_dir.mkdir()
+    assert qs.closing_line(cfg) == f"specgraft quickstart: this run's files are in {tmp_path.parent / 'elsewhere'} (0.0 MB)"

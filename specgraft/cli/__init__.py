@@ -364,12 +364,12 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Run ``specgraft quickstart``; 0 on success, 1 when a stage fails (after saying how to resume)."""
-    from specgraft.tools.quickstart import STAGE_DIR, report, run_quickstart
+    from specgraft.tools.quickstart import STAGE_DIR, closing_line, opening_line, report, run_quickstart
     from specgraft.tools.stages import StageFailed
 
     cfg = config_from_args(args)  # bad sizes and missing files fail here, before any work
     _deepspeed_on_cpu_quietly()
-    print(f"specgraft quickstart: {'demo target' if cfg.target is None else cfg.target} -> {cfg.out_dir}", flush=True)
+    print(opening_line(cfg), flush=True)
     out_dir_existed = cfg.out_dir.exists()
     try:
         outputs = run_quickstart(cfg, echo=lambda line: print(line, flush=True))
@@ -388,6 +388,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         return 130 if isinstance(failure.cause, KeyboardInterrupt) else 1
     print()
     print(report(cfg, outputs))
+    print(closing_line(cfg))
     return 0
 
 

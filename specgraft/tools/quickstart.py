@@ -22,6 +22,10 @@ Four stages, each a line with its time:
    EAGLE-2 dynamic tree) against plain decoding and HF ``generate``, greedy, so
    it also checks that every output is token-identical to HF's.
 
+Everything a run writes goes under ``--out`` (default ``runs/quickstart`` in the
+current directory, which the repository's .gitignore leaves out); the first and
+last lines say where. Only the demo target lives elsewhere, in the user cache.
+
 Each finished stage leaves ``OUT/stages/NAME.json`` (its settings, outputs and
 time). ``--resume`` reuses a stage whose settings are unchanged; a stage that
 runs again invalidates the ones after it. A failure names the stage and the
@@ -45,7 +49,7 @@ from typing import Any, Callable
 
 # No torch at module level (each stage imports it): `specgraft quickstart --help` reads this module's defaults.
 from specgraft.threads import choose_threads
-from specgraft.tools.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec
+from specgraft.tools.demo_target import DEFAULT_MAX_MINUTES, DemoTargetSpec, cached_target_dir
 from specgraft.tools.stages import Stage, StageResult, duration, run_stages
 from specgraft.tools.train_cost import measure_train_cost
 
@@ -70,7 +74,7 @@ SMALL_TARGET_NOTE = (
 class QuickstartConfig:
     """Every size of a quickstart run. The defaults fit 15 minutes on 2 free CPU cores, demo target included."""
 
-    out_dir: Path = Path("specgraft-quickstart")
+    out_dir: Path = Path("runs") / "quickstart"  # relative to the current directory
     target: str | None = None  # None: the demo target
     demo: DemoTargetSpec = field(default_factory=DemoTargetSpec)
     demo_minutes: float = DEFAULT_MAX_MINUTES  # wall-clock cap on the demo target's training (its schedule shrinks to fit)
@@ -445,6 +449,31 @@ STAGE_FUNCTIONS: dict[str, Callable[[QuickstartConfig, dict[str, Any], bool], St
 
 
 # ---------------------------------------------------------------------------- report
+
+
+def shown(path: Path) -> str:
+    """``path`` as a reader types it here: relative when under the current directory, else absolute."""
+    path = Path(path).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def opening_line(cfg: QuickstartConfig) -> str:
+    """The run's first line: where it writes, and which target it uses."""
+    if cfg.target is None:
+        target = f"the demo target, trained once and cached in {shown(cached_target_dir(cfg.demo, cfg.cache_dir))}"
+    else:
+        target = cfg.target
+    return f"specgraft quickstart: writing data, a head and a benchmark to {shown(cfg.out_dir)} (target: {target})"
+
+
+def closing_line(cfg: QuickstartConfig) -> str:
+    """The run's last line: the directory holding what it wrote, its size, and where the demo target is cached."""
+    size = sum(p.stat().st_size for p in cfg.out_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    line = f"specgraft quickstart: this run's files are in {shown(cfg.out_dir)} ({size / 1e6:.1f} MB)"
+    if cfg.target is None:
+        line += f"; the demo target stays cached in {shown(cached_target_dir(cfg.demo, cfg.cache_dir))}"
+    return line
+
 
 
 def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
