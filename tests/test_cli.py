@@ -91,6 +91,60 @@ def test_a_truncated_target_is_one_line_not_a_traceback(tmp_path, capsys):
     assert f"could not load target {str(target)!r}: a .safetensors file there is truncated or corrupt" in err
 
 
+# -- a misspelt flag: named, with the closest real one, under the command's own usage -------------------------
+
+
+def test_a_misspelt_flag_is_named_with_the_closest_one_under_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", "--promt", "hi"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert err.startswith("usage: specgraft generate ")
+    assert err.endswith("specgraft generate: error: unrecognized flag --promt (did you mean --prompt?)\n")
+    assert "required" not in err  # not "the following arguments are required: --prompt"
+
+
+def long_flags(command: str) -> list[str]:
+    parser = build_parser(command)._subparsers._group_actions[0].choices[command]
+    return [f for a in parser._actions if a.help != "==SUPPRESS==" for f in a.option_strings if f.startswith("--")]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_suggests_its_own_flag_for_a_misspelt_one(command, capsys):
+    flag = max((f for f in long_flags(command) if f != "--help"), key=len, default="--help")
+    misspelt = flag[:-2] + flag[-1]  # one letter dropped
+    with pytest.raises(SystemExit):
+        main([command, misspelt, "1"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: specgraft {command} ")
+    assert f"specgraft {command}: error: unrecognized flag {misspelt} (did you mean {flag}?)" in err
+
+
+def test_a_flag_nothing_resembles_points_to_the_commands_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "recipe.yaml", "--lr", "3"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: specgraft train ")
+    assert "specgraft train: error: unrecognized flag --lr (see specgraft train --help)" in err
+
+
+def test_a_stray_word_is_refused_under_the_commands_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", "t", "--prompt", "x", "stray"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: specgraft generate ")
+    assert "specgraft generate: error: unrecognized arguments: stray" in err
+
+
+def test_negative_numbers_prefixes_and_flag_values_still_parse():
+    args = build_parser("generate").parse_args(
+        ["generate", "--target", "t", "--prompt", "x", "--temperature", "-0.5", "--max-new", "7", "--seed=-3"]
+    )
+    assert (args.temperature, args.max_new_tokens, args.seed) == (-0.5, 7, -3)
+    args = build_parser("train").parse_args(["train", "r.yaml", "training.lr=1e-3", "--local_rank=0"])
+    assert args.overrides == ["training.lr=1e-3"] and args.local_rank == 0
+
+
 def test_train_does_not_warn_that_deepspeed_fell_back_to_the_cpu(tmp_path):
     # `specgraft train` (here on a missing config), then what the trainer does first: ask DeepSpeed for its accelerator.
     code = (

@@ -421,7 +421,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object], Call
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand with its help line; the flags of ``command`` only (of all of them when None)."""
     parser = argparse.ArgumentParser(prog="specgraft", description="Lossless speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=flags.CommandParser)
     for name, (text, add_flags, run) in COMMANDS.items():
         cmd = sub.add_parser(name, help=text, description=text)
         if command is None or command == name:

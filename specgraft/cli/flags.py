@@ -1,12 +1,16 @@
 """Every command's flags (argparse only): `specgraft --help` and `specgraft COMMAND --help` load no torch.
 
 Drafter and tree values are parsed by `specgraft.specs` when a command runs,
-so a flag here only names them.
+so a flag here only names them. `CommandParser` is the parser each command's
+flags go in.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
+import sys
 
 from specgraft.specs import BASELINE_KINDS, DRAFTER_HELP, EXPORT_FORMATS, IMPORT_FORMATS, PROMPT_LOOKUP, TREE_HELP
 
@@ -15,6 +19,60 @@ THREADS_HELP = (
     "torch CPU threads: 'auto' (default) picks from the model's size and this machine (one thread for models "
     "under 10M parameters, else one per idle core), or a count"
 )
+
+
+# How argparse tells a negative number from a flag: such a word is a value (or argparse's own error), never a flag.
+_NUMBER = re.compile(r"-\.?\d")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """One command's parser: a flag it does not have is refused under its own usage, naming the closest one it has.
+
+    Plain argparse hands a command's unknown words up to the top-level parser, which reports them under
+    `specgraft`'s usage, and only after the command's parser has said that a required flag (often the misspelt
+    one) is missing. Here the unknown flags are looked for first, and nothing unknown leaves the command.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        unknown = self.unknown_flags(args)
+        if unknown:
+            self.error(", ".join(self.describe_unknown(word) for word in unknown))
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def unknown_flags(self, args: list[str]) -> list[str]:
+        """The words of ``args`` that argparse would read as flags this parser does not have.
+
+        A word is a flag when it starts with '-', as argparse reads it: not '-' alone, not a negative number,
+        not a word with a space, nothing after '--'. A flag is known by its name (before any '='), a unique
+        or ambiguous prefix of a long flag (argparse expands or refuses those itself), or, for a short flag,
+        its first two characters (``-hx``).
+        """
+        known = self._option_string_actions
+        unknown = []
+        for word in args:
+            if word == "--":
+                break
+            if not word.startswith("-") or word == "-" or " " in word or _NUMBER.match(word):
+                continue
+            name = word.partition("=")[0] if word.startswith("--") else word[:2]
+            if name in known or (name.startswith("--") and any(flag.startswith(name) for flag in known)):
+                continue
+            unknown.append(word)
+        return unknown
+
+    def describe_unknown(self, word: str) -> str:
+        """'unrecognized flag --promt (did you mean --prompt?)': the closest visible long flag, by spelling."""
+        visible = {
+            flag.lstrip("-"): flag for action in self._actions if action.help != argparse.SUPPRESS
+            for flag in action.option_strings if flag.startswith("--")
+        }
+        close = difflib.get_close_matches(word.partition("=")[0].lstrip("-"), visible, n=1)
+        hint = f"did you mean {visible[close[0]]}?" if close else f"see {self.prog} --help"
+        return f"unrecognized flag {word} ({hint})"
 
 
 def parse_threads(value: str) -> int | str:
