@@ -25,6 +25,9 @@ Trees::
     adaptive[:DEPTH,NODES]  the engine sizes each step's tree across the batch by expected goodput
     FILE.json               a tree file written by `specgraft tune-tree`
 
+A target or head is a directory or a hub id (`looks_like_path` tells them
+apart); `check_model` and `check_directory` refuse a path that is not there.
+
 This module imports nothing of specgraft's, so any room may import it.
 """
 
@@ -349,3 +352,37 @@ def _at_least_one(spec: ChainSpec | DynamicSpec, *names: str) -> None:
 def tree_file(spec: TreeSpec) -> str | None:
     """The file a tree spec reads, if any."""
     return spec.path if isinstance(spec, (StaticFileSpec, TreeFileSpec)) else None
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def looks_like_path(name: str) -> bool:
+    """A model named by a local path, not a hub id (``org/name``): it starts with '.', '/' or '~', has two or more
+    slashes, or exists here."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def check_model(name: str, flag: str) -> str:
+    """``name`` when it is a hub id or an existing directory: a mistyped path fails before any model loads.
+
+    Raises:
+        FileNotFoundError: a path that does not exist or is a file, naming ``flag`` and the path.
+    """
+    if looks_like_path(name):
+        check_directory(name, flag)
+    return name
+
+
+def check_directory(path: str, flag: str) -> str:
+    """``path`` when it is an existing directory (``~`` expanded).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or is a file, naming ``flag`` and the path.
+    """
+    where = Path(path).expanduser()
+    if not where.exists():
+        raise FileNotFoundError(f"{flag} {path!r} does not exist")
+    if not where.is_dir():
+        raise FileNotFoundError(f"{flag} {path!r} is a file, not a directory")
+    return path

@@ -145,6 +145,51 @@ def test_negative_numbers_prefixes_and_flag_values_still_parse():
     assert args.overrides == ["training.lr=1e-3"] and args.local_rank == 0
 
 
+# -- a path that is not there: one line naming the flag, before torch loads ---------------------------------
+
+# main() in a fresh interpreter; prints its exit code and whether torch was imported by the time it returned.
+MAIN_WITHOUT_TORCH = (
+    "import sys\n"
+    "from specgraft.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print(code, 'torch' in sys.modules)\n"
+)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--target", "MISSING", "--prompt", "hi"], "--target"),
+    (["check-exactness", "--target", "MISSING"], "--target"),
+    (["tune-tree", "--target", "MISSING", "--prompts", "PROMPTS", "--out", "t.json"], "--target"),
+    (["search-layer-skip", "--target", "MISSING", "--prompts", "PROMPTS"], "--target"),
+    (["bench", "--target", "MISSING", "--prompts", "PROMPTS", "--out", "o"], "--target"),
+    (["bench", "--target", "t", "--method", "MISSING", "chain:3", "--prompts", "PROMPTS", "--out", "o"], "--drafter"),
+    (["serve", "--target", "MISSING"], "--target"),
+    (["export", "MISSING", "out", "--to", "vllm"], "head_dir"),
+    (["export", "HERE", "out", "--to", "vllm", "--target", "MISSING"], "--target"),
+    (["import-head", "MISSING", "out", "--format", "eagle", "--target", "t"], "src_dir"),
+    (["import-head", "HERE", "out", "--format", "eagle", "--target", "MISSING"], "--target"),
+])
+def test_a_missing_target_or_head_is_refused_before_torch_loads(tmp_path, argv, flag):
+    missing = str(tmp_path / "no" / "such")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    where = {"MISSING": missing, "PROMPTS": str(prompts), "HERE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", MAIN_WITHOUT_TORCH, *(where.get(a, a) for a in argv)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.stdout.split() == ["2", "False"], run.stderr
+    first = run.stderr.splitlines()[0]
+    assert first.startswith(f"specgraft {argv[0]}: error: {flag} ") and f"{missing!r} does not exist" in first
+    if flag != "--drafter":  # the drafter's error goes on to list every drafter form
+        assert run.stderr.count("\n") == 1
+
+
+def test_a_file_given_for_a_head_directory_says_so(tmp_path, capsys):
+    head = tmp_path / "config.json"
+    head.write_text("{}")
+    assert main(["export", str(head), str(tmp_path / "out"), "--to", "vllm"]) == 2
+    assert capsys.readouterr().err == f"specgraft export: error: head_dir {str(head)!r} is a file, not a directory\n"
+
+
 def test_train_does_not_warn_that_deepspeed_fell_back_to_the_cpu(tmp_path):
     # `specgraft train` (here on a missing config), then what the trainer does first: ask DeepSpeed for its accelerator.
     code = (

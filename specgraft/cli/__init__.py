@@ -3,7 +3,8 @@
 Only the chosen subcommand's flags are built (`specgraft.cli.flags`, argparse
 only), and what runs it is imported when it runs: `specgraft --help` and
 `specgraft generate --help` answer without loading torch or transformers.
-Drafter and tree values are parsed by `specgraft.specs` before any model loads.
+Drafter and tree values are parsed by `specgraft.specs` before any model loads,
+and a target or head directory that is not there is refused before torch loads.
 """
 
 from __future__ import annotations
@@ -20,27 +21,31 @@ from typing import Callable
 
 from specgraft.cli import flags
 from specgraft.cli.flags import DEFAULT_CHECK_PROMPTS
-from specgraft.specs import PROMPT_LOOKUP, NoDrafter, check_drafter, parse_drafter, parse_tree
+from specgraft.specs import (
+    PROMPT_LOOKUP, NoDrafter, check_directory, check_drafter, check_model, parse_drafter, parse_tree,
+)
 
 
 def _load(args: argparse.Namespace):
-    """Target, drafter and tree from the common flags; the tree and drafter are checked before any model loads."""
+    """Target, drafter and tree from the common flags; the paths they name are checked before torch loads."""
+    tree_spec, drafter = parse_tree(args.tree), check_drafter(args.drafter)
+    check_model(args.target, "--target")
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
     from specgraft.tree import policy_from_spec
 
-    tree, drafter = policy_from_spec(parse_tree(args.tree)), check_drafter(args.drafter)  # a tree file is read here
+    tree = policy_from_spec(tree_spec)  # a tree file is read here
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     return target, drafter_from_spec(drafter, target), tree
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import specgraft as sg
-    from specgraft.tools.prompts import encode_prompt
-
     if not args.prompt:
         raise ValueError("--prompt is empty")
     target, drafter, tree = _load(args)
+    import specgraft as sg
+    from specgraft.tools.prompts import encode_prompt
+
     if target.threads is not None:
         print(f"threads: {target.threads.threads or 'unchanged'} ({target.threads.why})", file=sys.stderr)
     print(f"small-row products: {target.small_rows.describe()}", file=sys.stderr)
@@ -79,9 +84,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_check_exactness(args: argparse.Namespace) -> int:
-    import specgraft as sg
-    from specgraft.tools.exactness import check_exactness, rule
-
     prompts = args.prompt or list(DEFAULT_CHECK_PROMPTS)
     if args.length < 3 and args.drafter != "none":
         raise ValueError(
@@ -91,6 +93,9 @@ def cmd_check_exactness(args: argparse.Namespace) -> int:
     if args.top_k < 1 or args.top_k ** args.length > 4096:
         raise ValueError(f"--top-k {args.top_k} and --length {args.length}: need 1 <= top_k ** length <= 4096 outcomes")
     target, drafter, tree = _load(args)
+    import specgraft as sg
+    from specgraft.tools.exactness import check_exactness, rule
+
     gen = sg.SpeculativeGenerator(target, drafter, tree=tree)
     reports = check_exactness(
         gen, prompts, samples=args.samples, length=args.length, temperature=args.temperature, top_k=args.top_k,
@@ -187,12 +192,12 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_tune_tree(args: argparse.Namespace) -> int:
-    from specgraft.tools.prompts import encode_prompt, read_prompt_file
-    from specgraft.tools.tune import tune
-
     if not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
     target, drafter, _ = _load(args)
+    from specgraft.tools.prompts import encode_prompt, read_prompt_file
+    from specgraft.tools.tune import tune
+
     if drafter is None:
         raise ValueError("--drafter none has nothing to tune")
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
@@ -237,11 +242,12 @@ def cmd_tune_tree(args: argparse.Namespace) -> int:
 
 
 def cmd_search_layer_skip(args: argparse.Namespace) -> int:
+    if not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
+    check_model(args.target, "--target")
     import specgraft as sg
     from specgraft.tools.prompts import encode_prompt, read_prompt_file
 
-    if not Path(args.prompts).is_file():
-        raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
     result = sg.search_layer_skip(
@@ -265,6 +271,9 @@ def cmd_search_layer_skip(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    check_directory(args.head_dir, "head_dir")
+    if args.target is not None:
+        check_model(args.target, "--target")
     from specgraft.heads import export_head
 
     out = export_head(args.head_dir, args.fmt, args.out_dir, target=args.target)
@@ -273,6 +282,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import_head(args: argparse.Namespace) -> int:
+    check_directory(args.src_dir, "src_dir")
+    check_model(args.target, "--target")
     from specgraft.heads import import_head
     from specgraft.model import load_target
 
@@ -283,6 +294,11 @@ def cmd_import_head(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.server:  # against a server, --drafter names one of its drafters and there is no --target
+        for spec in args.drafter + [drafter for drafter, _ in args.method]:
+            check_drafter(spec)
+        if args.target is not None:
+            check_model(args.target, "--target")
     from specgraft.tools.bench import bench_main
 
     return bench_main(args)
@@ -310,15 +326,17 @@ def parse_drafter_flags(values: list[str]) -> dict[str, str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the target and drafters once, then serve until SIGTERM / SIGINT (uvicorn drains in-flight requests)."""
+    named = parse_drafter_flags(args.drafter)
+    tree_spec = parse_tree(args.tree)
+    if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
+        raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
+    check_model(args.target, "--target")
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
     from specgraft.infer.serve import create_app, run_server
     from specgraft.tree import policy_from_spec
 
-    named = parse_drafter_flags(args.drafter)
-    tree = policy_from_spec(parse_tree(args.tree))
-    if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
-        raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
+    tree = policy_from_spec(tree_spec)  # a tree file is read here
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
     app = create_app(
