@@ -37,6 +37,7 @@ from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
 from specgraft.model.staging import staged
 from specgraft.tree import Chain, DynamicTree, Sampling, Tree, TreePolicy, grow_chains, grow_together
 from specgraft.tree.dynamic import grow_dynamic
+from specgraft.tree.policies import StaticTree, grow_static
 
 
 # Commits a state holds as views of their steps' forward outputs before folding them into features: a row that
@@ -76,6 +77,8 @@ class FeatureDrafter:
                 return round_.chains()
             if FeatureDrafter.rows_dynamic(requests, rows):
                 return round_.dynamic()
+            if FeatureDrafter.rows_static(requests, rows):
+                return round_.static()
             if len(requests) == 1 and not hasattr(requests[0].policy, "levels"):
                 r = requests[0]
                 step = lambda tree, frontier: round_.step([(0, tree, frontier)])[0]  # noqa: E731
@@ -91,6 +94,14 @@ class FeatureDrafter:
         """Whether `FeatureRound.dynamic` grows these requests' trees: one `DynamicTree` for all, in a batched cache."""
         policy = requests[0].policy
         return rows is not None and type(policy) is DynamicTree and all(r.policy == policy for r in requests)
+
+    @staticmethod
+    def rows_static(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
+        """Whether `FeatureRound.static` grows these requests' trees: one `StaticTree` for all, each child its rank of
+        the top-k (greedy rows, or a top-k draw), in a batched cache."""
+        policy = requests[0].policy
+        return (rows is not None and type(policy) is StaticTree and all(r.policy == policy for r in requests)
+                and all(policy.draw == "top-k" or r.sampling is None or r.sampling.greedy for r in requests))
 
 
 class FeatureDraftState:
@@ -291,6 +302,24 @@ class FeatureRound:
             # The slots its levels took, for its peak (`rollback` counts them): keyed -1, -2, ..., no node's index,
             # as the frontiers that ran are not the tree's nodes once it is cut
             self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * policy.top_k))
+        return trees
+
+    def static(self) -> list[Tree]:
+        """Every request's top-k `StaticTree` after `run_roots` (one policy for all, a batched cache): `grow_static`
+        picks each level's ranks on the device and `_level` runs its frontier, padded to the widest, in one forward."""
+        n, policy = len(self.requests), self.requests[0].policy
+        depths = [min(policy.max_depth, r.max_depth) for r in self.requests]
+        roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
+        state = {"level": 1, "outputs": torch.stack([self.outputs[i][0] for i in range(n)])[:, None], "seen": None}
+        first = self._lengths()
+
+        def step(tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
+            state["level"] += 1
+            return self.head.draft_logp(self._level(state, tokens, came_from)).float().log_softmax(-1)  # (R, K, V)
+
+        trees, width = grow_static(roots, logp, step, policy, depths)
+        for i, (request, depth) in enumerate(zip(self.requests, depths)):  # the slots its levels took (as `dynamic`)
+            self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * width))
         return trees
 
     def _level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:

@@ -432,6 +432,48 @@ def test_dynamic_trees_grown_on_the_device_equal_each_rows_tree_alone(stories, p
 
 
 @pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static"])
+@pytest.mark.parametrize("choices", [[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]],
+                                     [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], [[1], [0], [1, 2], [1, 2, 0]]],
+                         ids=["branching", "chain", "gapped ranks"])
+def test_static_trees_grown_on_the_device_equal_each_rows_tree_alone(stories, prompts, kind, choices, request):
+    """Rows sharing one top-k `StaticTree`, of different depths, in pool rows out of order beside a held row that does
+    not draft: every level of every row in one forward, each node its rank of its parent's top-k picked on the
+    device (`grow_static`). Each row's tree is the one its state grows alone, node for node, with its ancestors;
+    only committed pairs stay cached."""
+    import torch
+
+    from specgraft.heads.base import DraftRequest
+    from specgraft.heads.feature_drafter import FeatureRound
+
+    gen = batch_drafter_case(stories, kind, request)
+    rows = gen.drafter.new_rows(5, 256)
+    policy = sg.StaticTree(choices)
+    requests, lengths = [], {}
+    for row, prompt, depth in zip((3, 0, 2, 4, 1), prompts[:4] + prompts[:1], (4, 2, 3, 1, 0)):
+        ids = torch.tensor(stories.encode(prompt))
+        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None],
+                              hidden_layers=gen.drafter.hidden_layers, last_only=True)
+        state = gen.drafter.start(ids, {i: h[0] for i, h in out.hidden.items()}, cache=rows.acquire(row)[1])
+        if depth:  # the last row is held but drafts nothing this round
+            requests.append(DraftRequest(state, int(out.logits[0, -1].argmax()), policy, depth, None, row))
+            lengths[row] = len(ids) - 1
+    grown = []
+    static = FeatureRound.static
+    with pytest.MonkeyPatch.context() as patch:  # the batched path really runs
+        patch.setattr(FeatureRound, "static", lambda self: grown.append(1) or static(self))
+        together = gen.drafter.propose_batch(requests, rows)
+    assert grown == [1]
+    for r, tree in zip(requests, together):
+        alone = r.state.propose(r.root_token, r.policy, r.max_depth)
+        assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
+        assert tree.depth.tolist() == alone.depth.tolist()
+        assert torch.equal(tree.ancestor_mask(), alone.ancestor_mask())
+        assert torch.allclose(tree.scores, alone.scores, atol=1e-4)
+        assert tree.is_chain == alone.is_chain or not tree.is_chain
+    assert [rows.lengths(5)[row] for row in lengths] == list(lengths.values())  # committed pairs only
+
+
+@pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static"])
 def test_batched_feature_drafts_score_each_node_as_a_causal_run_of_its_path(stories, prompts, kind, request):
     """The reference: each node's score is the draft log-prob of its path run pair by pair, causally, on a fresh
     cache; rows of different lengths drafted together (tree masks, padding, per-row slots) must give exactly it."""

@@ -117,14 +117,25 @@ CHAIN_SYNCS = 4
 ALONE_SYNCS = 2
 
 
-@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
-def test_eagle_dynamic_trees_and_chains_sync_at_most_four_times_a_step(stories, trained_eagle, tree):
-    """EAGLE-2's dynamic tree grows, ranks and is cut on the device for every row (`grow_dynamic`) and is accepted
-    there with the chains (`greedy_accept_packed`)."""
+# A static tree of Medusa's format, branching at the first two levels.
+STATIC_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+
+
+def tree_policy(tree: str):
+    """A spec's policy, or the static tree above for "static" (a static spec names a file)."""
+    import specgraft as sg
+
+    return sg.StaticTree(STATIC_CHOICES) if tree == "static" else sg.parse_tree_spec(tree)
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16", "static"])
+def test_eagle_dynamic_static_trees_and_chains_sync_at_most_four_times_a_step(stories, trained_eagle, tree):
+    """EAGLE-2's dynamic tree grows, ranks and is cut on the device for every row (`grow_dynamic`), a static tree
+    picks its ranks there (`grow_static`), and both are accepted there with the chains (`greedy_accept_packed`)."""
     import specgraft as sg
 
     drafters = {"eagle": sg.load_drafter(trained_eagle, stories)}
-    assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.parse_tree_spec(tree))
+    assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=tree_policy(tree))
 
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
@@ -137,13 +148,14 @@ def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, opt
     assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.Chain(4), seed=3, **options)
 
 
-@pytest.mark.parametrize("tree", [None, "chain:4", "dynamic:4,5,16"], ids=["plain", "eagle-chain", "eagle-dynamic"])
+@pytest.mark.parametrize("tree", [None, "chain:4", "dynamic:4,5,16", "static"],
+                         ids=["plain", "eagle-chain", "eagle-dynamic", "eagle-static"])
 def test_kernels_do_not_grow_with_the_batch(stories, trained_eagle, tree):
     """No loop over rows launches work: plain decoding, and EAGLE's draft rounds (the roots' catch-up placed by
     staged indices, each level one forward) with their acceptance."""
     import specgraft as sg
 
-    options = {} if tree is None else dict(drafter="eagle", tree=sg.parse_tree_spec(tree))
+    options = {} if tree is None else dict(drafter="eagle", tree=tree_policy(tree))
     drafters = {} if tree is None else {"eagle": sg.load_drafter(trained_eagle, stories)}
     one = count_steps(steady(stories, 1, drafters, **options).step, STEPS)
     sixteen = count_steps(steady(stories, 16, drafters, **options).step, STEPS)

@@ -15,6 +15,7 @@ works everywhere, one tree at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,20 +132,13 @@ def grow_chains(
     tokens, logq, q = [], [], []  # per level: (R,) picks, (R,) their log-probs, each row's (V,) q where sampled
     for level in range(max(depths)):
         top_logp, top = (x[:, 0] for x in logp.topk(1, dim=-1))  # (R,): every top-k row's pick, as `pick_children`
-        picks, logps, qs = [top], [top_logp], []
         drawing = [r for r in range(len(depths)) if sampled[r] and level < depths[r]]
-        if drawing:
-            picks, logps = list(top.split(1)), list(top_logp.split(1))
-            for r in drawing:
-                picked = pick_children(logp[r : r + 1], 1, policies[r].draw, samplings[r])
-                picks[r], logps[r] = picked.tokens[0], picked.logq[0]
-                qs.append((r, picked.q[0]))
-            picks, logps = [torch.cat(picks)], [torch.cat(logps)]
-        tokens.append(picks[0])
-        logq.append(logps[0])
-        q.append(dict(qs))
+        picks, logps, qs = (top, top_logp, {}) if not drawing else _draw_rows(logp, top, top_logp, drawing, policies, samplings)
+        tokens.append(picks)
+        logq.append(logps)
+        q.append(qs)
         if level + 1 < max(depths):
-            logp = step(picks[0])
+            logp = step(picks)
     chains = torch.stack([roots, *tokens], 1)  # (R, D + 1)
     scores = torch.cat([torch.zeros_like(logq[0])[:, None], torch.stack(logq, 1).float().cumsum(1)], 1)
     trees = []
@@ -155,6 +149,32 @@ def grow_chains(
             row_q = torch.cat([torch.zeros_like(levels[0])[None], torch.stack(levels)])  # (depth + 1, V), root's unused
         trees.append(Tree.chain(chains[r, : depth + 1], scores[r, : depth + 1], row_q))
     return trees
+
+
+def _draw_rows(
+    logp: torch.Tensor, top: torch.Tensor, top_logp: torch.Tensor, drawing: Sequence[int], policies: Sequence[Chain],
+    samplings: Sequence[Sampling | None],
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """One chain level's picks where some rows draw: (R,) tokens (the others' top-1), (R,) their draft log-probs,
+    and each drawing row's (V,) q.
+
+    q comes from one `Sampling.probs` call for all the rows that share a filter setting (filters work row by row,
+    so each row's q is the one it gets alone); only the draw runs a row at a time, with the row's own RNG: the
+    one draw `pick_children` makes for it alone.
+    """
+    picks, logps = list(top.split(1)), list(top_logp.split(1))
+    by_filters: dict[Sampling, list[int]] = {}
+    for r in drawing:
+        by_filters.setdefault(samplings[r], []).append(r)  # Samplings compare by their filters, not their RNGs
+    qs = {}
+    for sampling, rows in by_filters.items():
+        group_q = sampling.probs(logp if len(by_filters) == 1 else logp[rows])  # (R or G, V)
+        for i, r in enumerate(rows):
+            row_q = group_q[r if len(by_filters) == 1 else i]  # (V,)
+            picks[r] = samplings[r].draw(row_q[None], 1, replacement=policies[r].draw == "sample")[0]  # (1,)
+            logps[r] = row_q.gather(0, picks[r]).log()
+            qs[r] = row_q
+    return torch.cat(picks), torch.cat(logps), qs
 
 
 class TreeBuilder:
@@ -360,6 +380,103 @@ class StaticTree(Levelled):
             ]
             node_of.update(zip(kept_paths, idx.tolist()))
         return builder.tree()
+
+
+# A batched drafter's step for level-grown trees: (R, K) frontier tokens, each with its parent's place in the frontier
+# run before (None: the root's children) -> (R, K, V) log-probs of their children (`FeatureRound._level`).
+FrontierStepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _StaticFrame:
+    """A `StaticTree` cut to a depth, laid out for `grow_static`: its nodes level by level, in `levels`' order."""
+
+    levels: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # per level: (parent's place in the last
+    # frontier, rank) of each node, and how many ranks its parents' top-k must hold
+    sizes: tuple[int, ...]  # nodes up to each depth, root included
+    parents: torch.Tensor  # (N,)
+    depth: torch.Tensor  # (N,)
+    ancestors: torch.Tensor  # (N, N)
+    is_chain: bool
+
+
+@functools.lru_cache(maxsize=64)
+def _static_frame(policy: StaticTree, depth: int, device: torch.device) -> _StaticFrame:
+    """``policy``'s nodes to ``depth``, made once per policy, depth and device (every step of every row reads it)."""
+    frontier: dict[tuple[int, ...], int] = {(): 0}  # path -> its place in the frontier run last (the root's: 0)
+    node_of, parents, depths, levels, sizes = {(): 0}, [ROOT_PARENT], [0], [], [1]
+    for level in policy._levels[:depth]:
+        places, ranks, here = [], [], {}
+        for parent, parent_ranks in level:  # parents first, ranks in order within a parent: as `levels` adds them
+            for rank in parent_ranks:
+                here[parent + (rank,)] = len(places)
+                places.append(frontier[parent])
+                ranks.append(rank)
+                node_of[parent + (rank,)] = len(parents)
+                parents.append(node_of[parent])
+                depths.append(len(parent) + 1)
+        levels.append((tuple(places), tuple(ranks), max(ranks) + 1))
+        sizes.append(len(parents))
+        frontier = here
+    ancestors = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for node in range(len(parents)):
+        at = node
+        while at != ROOT_PARENT:
+            ancestors[node, at] = True
+            at = parents[at]
+    return _StaticFrame(tuple(levels), tuple(sizes), torch.tensor(parents, device=device),
+                        torch.tensor(depths, device=device), ancestors.to(device), parents == list(range(-1, len(parents) - 1)))
+
+
+def grow_static(
+    roots: torch.Tensor, logp: torch.Tensor, step: FrontierStepFn, policy: StaticTree, depths: Sequence[int]
+) -> tuple[list[Tree], int]:
+    """Every row's top-k `StaticTree` at once, on the device: the same trees as its ``levels`` alone, nothing read
+    back. Returns the trees and K, the frontier width each level's ``step`` ran.
+
+    The shape is every row's, so only tokens and scores are per row: each level takes, for every node, its listed
+    rank of its parent's top-k children, for all rows in one gather. Each level's frontier is padded to the widest
+    level's K (copies of its first node, never anyone's parent), so the drafter's slots stay K a level. A row whose
+    tree is shallower than the deepest keeps its first levels' nodes (nodes are stored level by level).
+
+    Args:
+        roots: (R,) root tokens. logp: (R, V) the drafter's log-probs after each root.
+        depths: each row's depth (the policy's, cut to what it may draft).
+    """
+    deepest, device = max(depths), logp.device
+    frame = _static_frame(policy, deepest, device)
+    width = max([len(places) for places, _, _ in frame.levels[:-1]] or [1])  # frontiers run: levels 1 .. deepest - 1
+    tokens, scores = [roots[:, None]], [torch.zeros(len(depths), 1, device=device)]
+    came_from = None  # the frontier run next: each node's parent's place in the frontier run before (None: the root)
+    for level, (places, ranks, k) in enumerate(frame.levels):
+        if level:  # the last level's nodes, padded to K, through the drafter: their children's log-probs
+            pad = width - tokens[-1].shape[1]
+            run = tokens[-1] if not pad else torch.cat([tokens[-1], tokens[-1][:, :1].expand(-1, pad)], dim=1)
+            logp = step(run, came_from)  # (R, K, V)
+        top, child = (logp if level else logp[:, None]).topk(k, dim=-1)  # (R, K or 1, k)
+        at, rank = _static_index(places, ranks, width, device)
+        tokens.append(child[:, at[: len(places)], rank])  # (R, F): each node's rank among its parent's children
+        scores.append(scores[-1][:, at[: len(places)]] + top[:, at[: len(places)], rank].float())
+        came_from = at.expand(len(depths), -1) if level else None  # padding nodes: node 0's place, never read
+    tokens, scores = torch.cat(tokens, dim=1), torch.cat(scores, dim=1)  # (R, N)
+    trees = []
+    for r, depth in enumerate(depths):
+        n = frame.sizes[depth]
+        tree = object.__new__(Tree)
+        tree.__dict__.update(tokens=tokens[r, :n], parents=frame.parents[:n], depth=frame.depth[:n], scores=scores[r, :n],
+                             q=None, without_replacement=False, ancestors=frame.ancestors[:n, :n],
+                             is_chain=frame.is_chain, _depth_bound=depth)
+        trees.append(tree)
+    return trees, width
+
+
+@functools.lru_cache(maxsize=256)
+def _static_index(
+    places: tuple[int, ...], ranks: tuple[int, ...], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A level's parent places, padded with 0 to the frontier width K, (max(F, K),), and its ranks (F,), as index
+    tensors made once per level and device."""
+    return torch.tensor(list(places) + [0] * (width - len(places)), device=device), torch.tensor(ranks, device=device)
 
 
 def parse_tree_spec(spec: str | TreeSpec) -> TreePolicy:
