@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -29,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from specgraft.heads.configs import HeadConfig
-from specgraft.specs import parse_tree, tree_file
+from specgraft.specs import looks_like_path, parse_tree, tree_file
 
 # A data source with one of these endings is a local file, not a hub dataset name.
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".gz", ".parquet", ".csv", ".arrow")
@@ -313,7 +314,9 @@ def _line_of(root: yaml.Node | None, loc: list[str]) -> int | None:
 
 
 def _absolute(value: str) -> str:
-    return str(Path(value).expanduser().resolve())
+    """``value`` made absolute against the working directory, its symlinks kept: a head records the target path
+    the user wrote, not where a link happened to point (``..`` is taken lexically, as a shell's ``cd`` does)."""
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def _is_local_data(source: str) -> bool:
@@ -329,7 +332,7 @@ def _is_local_data(source: str) -> bool:
 def _absolute_paths(cfg: TrainConfig) -> None:
     """Resolve every local path against the working directory, so nothing later depends on it."""
     target = cfg.target.path
-    if _is_local_path(target):
+    if looks_like_path(target):
         cfg.target.path = _absolute(target)
     if cfg.data.train is not None and _is_local_data(cfg.data.train):
         cfg.data.train = _absolute(cfg.data.train)
@@ -354,11 +357,6 @@ def _absolute_paths(cfg: TrainConfig) -> None:
         cfg.tracking.dir = _absolute(cfg.tracking.dir)
 
 
-def _is_local_path(target: str) -> bool:
-    """A target directory rather than a hub id (``org/name``)."""
-    return target.startswith((".", "/", "~")) or target.count("/") > 1 or Path(target).exists()
-
-
 def check_files(cfg: TrainConfig) -> None:
     """Require the local files and directories a run reads at start-up to exist, naming the key and the file.
 
@@ -379,7 +377,7 @@ def check_files(cfg: TrainConfig) -> None:
                 "(relative paths resolve against the working directory)"
             )
 
-    if _is_local_path(cfg.target.path):
+    if looks_like_path(cfg.target.path):
         must_exist("target.path", cfg.target.path, "directory")
     regen = cfg.data.regenerate
     if cfg.data.train is not None and _is_local_data(cfg.data.train):

@@ -190,6 +190,33 @@ def test_a_file_given_for_a_head_directory_says_so(tmp_path, capsys):
     assert capsys.readouterr().err == f"specgraft export: error: head_dir {str(head)!r} is a file, not a directory\n"
 
 
+@needs_shared
+def test_a_head_trained_on_a_symlinked_target_names_the_link_it_was_given(tmp_path, capsys):
+    """The head records the target path as written, and export's printed command names it; the head still
+    loads beside the target reached through its real path (the check is by sizes and embedding, not by name)."""
+    from specgraft.heads import drafter_from_spec
+
+    link = tmp_path / "models" / "stories"
+    link.parent.mkdir()
+    link.symlink_to(STORIES, target_is_directory=True)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Once upon a time there was cat number {i}."}) + "\n" for i in range(8)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({  # JSON is YAML
+        "target": {"path": str(link)}, "head": {"type": "medusa", "num_heads": 2},
+        "data": {"train": str(data), "max_length": 16},
+        "training": {"max_steps": 1, "micro_batch_size": 4, "save_every": 0, "num_threads": 1,
+                     "output_dir": str(tmp_path / "run")},
+    }))
+    assert main(["train", str(recipe)]) == 0
+    head = Path(capsys.readouterr().out.split("head written to ")[1].strip())
+    assert json.loads((head / "config.json").read_text())["target"]["name"] == str(link)
+    assert main(["export", str(head), str(tmp_path / "vllm"), "--to", "vllm"]) == 0
+    command = capsys.readouterr().out
+    assert f"vllm serve {link}" in command and str(STORIES.resolve()) not in command
+    drafter_from_spec(str(head), sg.load_target(STORIES.resolve()))
+
+
 def test_train_does_not_warn_that_deepspeed_fell_back_to_the_cpu(tmp_path):
     # `specgraft train` (here on a missing config), then what the trainer does first: ask DeepSpeed for its accelerator.
     code = (

@@ -103,6 +103,17 @@ def test_relative_paths_resolve_against_the_working_directory(tmp_path, files, m
         check_files(cfg)
 
 
+def test_a_symlinked_target_keeps_the_path_written_not_where_the_link_points(tmp_path, files, monkeypatch):
+    """The head records target.path: a link the user named stays that link (made absolute), and still checks out."""
+    link = tmp_path / "models" / "current"
+    link.parent.mkdir()
+    link.symlink_to(files["target"], target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(write(tmp_path, minimal(files, target={"path": "./models/current"})))
+    assert cfg.target.path == str(link)
+    check_files(cfg)
+
+
 # ---------------------------------------------------------------------------- what fails, and how it says so
 
 

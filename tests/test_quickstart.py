@@ -256,6 +256,16 @@ def test_a_missing_target_path_fails_before_the_run_directory_exists(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@needs_shared
+def test_a_symlinked_target_is_recorded_as_the_path_given(tmp_path, monkeypatch):
+    """The run's target (which the head and the printed commands name) is the link, made absolute, not its end."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "stories").symlink_to(STORIES, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    result = qs.stage_target(qs.QuickstartConfig(out_dir=tmp_path / "run", target="models/stories"), {})
+    assert result.outputs["target_path"] == str(tmp_path / "models" / "stories")
+
+
 def test_a_target_that_cannot_load_leaves_nothing_to_resume(tmp_path, capsys):
     # A hub id, not a path: only loading it (offline here) can tell.
     args = parser().parse_args(["--target", "no-such-org/no-such-model", "--out", str(tmp_path / "run")])

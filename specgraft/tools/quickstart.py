@@ -181,7 +181,8 @@ def stage_target(cfg: QuickstartConfig, outputs: dict[str, Any], continue_partia
         if target.tokenizer is None:
             raise ValueError(f"--target {cfg.target!r} has no tokenizer; the quickstart trains on text")
         params = sum(p.numel() for p in target.model.parameters())
-        path = str(Path(cfg.target).expanduser().resolve()) if Path(cfg.target).expanduser().exists() else cfg.target
+        given = os.path.expanduser(cfg.target)  # absolute as written: a symlinked target keeps the name the user gave
+        path = os.path.abspath(given) if os.path.exists(given) else cfg.target
         return StageResult(
             {"target_path": path, "demo": False, "target_params": params},
             f"{target.name} ({params / 1e6:.2f}M parameters, {target.num_layers} layers, vocab {target.vocab_size})",
