@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
+from typing import Mapping
 
 import pytest
 import torch
@@ -137,24 +140,39 @@ def filled_cache(batch: int = 2, heads: int = 3, length: int = 9, dim: int = 4, 
 
 SMOLLM2_SHARED = SHARED / "models" / "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Where ../shared/models/SmolLM2-135M-Instruct/materialize.py is told to write the float32 directory
-# (README, recipes); SPECGRAFT_SMOLLM2 points elsewhere.
-SMOLLM2 = Path(os.environ.get("SPECGRAFT_SMOLLM2", Path.home() / ".cache/specgraft/models/SmolLM2-135M-Instruct"))
+# Where ../shared/models/SmolLM2-135M-Instruct/materialize.py writes the float32 directory, under the home directory:
+# the README and recipes tell it the first; given no argument it writes the second. SPECGRAFT_SMOLLM2 points elsewhere.
+SMOLLM2_PLACES = (
+    Path(".cache/specgraft/models/SmolLM2-135M-Instruct"),
+    Path(".cache/specgraft-shared/SmolLM2-135M-Instruct"),
+)
 
 
-def smollm2_missing() -> str | None:
-    """Why the materialized SmolLM2-135M-Instruct target cannot load here, or None when it can."""
-    if (SMOLLM2 / "model.safetensors").is_file():
+def find_smollm2(environ: Mapping[str, str] = os.environ, home: Path | None = None) -> Path:
+    """The materialized SmolLM2 directory: $SPECGRAFT_SMOLLM2, else the first of `SMOLLM2_PLACES` (under ``home``)
+    that holds the weights, else the first (where the skip reason says to write it)."""
+    if environ.get("SPECGRAFT_SMOLLM2"):
+        return Path(environ["SPECGRAFT_SMOLLM2"])
+    places = [(Path.home() if home is None else home) / place for place in SMOLLM2_PLACES]
+    return next((place for place in places if (place / "model.safetensors").is_file()), places[0])
+
+
+SMOLLM2 = find_smollm2()
+
+
+def smollm2_missing(path: Path = SMOLLM2, shared: Path = SMOLLM2_SHARED) -> str | None:
+    """Why the materialized SmolLM2-135M-Instruct target at ``path`` cannot load here (with the exact command that
+    writes it), or None when it can."""
+    if (path / "model.safetensors").is_file():
         return None
-    if not SMOLLM2_SHARED.is_dir():
-        return f"SmolLM2-135M-Instruct is not materialized at {SMOLLM2}, and ../shared ({SMOLLM2_SHARED}) is absent"
+    if not shared.is_dir():
+        return f"SmolLM2-135M-Instruct is not materialized at {path}, and ../shared ({shared}) is absent"
     import importlib.util
 
     package = "" if importlib.util.find_spec("gguf") else "pip install 'specgraft[gguf]' (the gguf package is missing), then "
-    return (
-        f"SmolLM2-135M-Instruct is not materialized at {SMOLLM2}: {package}"
-        f"python {SMOLLM2_SHARED / 'materialize.py'} {SMOLLM2} (or set SPECGRAFT_SMOLLM2 to a copy)"
-    )
+    command = shlex.join([sys.executable, str(shared / "materialize.py"), str(path)])
+    return (f"SmolLM2-135M-Instruct is not materialized at {path}: {package}run {command} "
+            "(or set SPECGRAFT_SMOLLM2 to a copy)")
 
 
 @pytest.fixture(scope="session")

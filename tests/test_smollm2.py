@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 import specgraft as sg
 from specgraft.heads.checkpoint import SIDECAR
-from tests.conftest import SMOLLM2, SMOLLM2_GGUF, SMOLLM2_SHARED
+from tests.conftest import SMOLLM2, SMOLLM2_GGUF, SMOLLM2_PLACES, SMOLLM2_SHARED, find_smollm2, smollm2_missing
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes" / "smollm2-135m").glob("*.yaml"))
@@ -29,6 +30,36 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 def chat_ids(target) -> torch.Tensor:
     return torch.tensor([target.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_dict=False)])
+
+
+# -- where the tests look for the materialized directory -----------------------------------------------------
+
+
+def materialized(place: Path) -> Path:
+    place.mkdir(parents=True)
+    (place / "model.safetensors").write_bytes(b"")
+    return place
+
+
+def test_the_copy_materialize_writes_given_no_argument_is_found(tmp_path):
+    default = materialized(tmp_path / ".cache/specgraft-shared/SmolLM2-135M-Instruct")  # materialize.py's own default
+    assert find_smollm2({}, home=tmp_path) == default
+    assert smollm2_missing(default, tmp_path / "shared") is None
+
+
+def test_the_readme_place_comes_first_and_the_environment_overrides_both(tmp_path):
+    readme, default = (materialized(tmp_path / place) for place in SMOLLM2_PLACES)
+    assert find_smollm2({}, home=tmp_path) == readme
+    assert find_smollm2({"SPECGRAFT_SMOLLM2": str(tmp_path / "mine")}, home=tmp_path) == tmp_path / "mine"
+
+
+def test_the_skip_reason_is_the_exact_command_that_materializes(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    place = find_smollm2({}, home=tmp_path)
+    assert place == tmp_path / SMOLLM2_PLACES[0]  # nothing yet: the README's place, where the command writes it
+    command = shlex.join([sys.executable, str(shared / "materialize.py"), str(place)])
+    assert command in smollm2_missing(place, shared)
 
 
 def test_target_is_a_chatml_llama_on_the_fast_path(smollm2):
