@@ -35,7 +35,8 @@ import torch
 
 from specgraft.model import BatchedKVCache, StaticKVCache
 from specgraft.model.staging import staged
-from specgraft.tree import Chain, Sampling, Tree, TreePolicy, grow_chains
+from specgraft.tree import Chain, Sampling, StaticTree, Tree, TreePolicy, grow_chains
+from specgraft.tree.policies import grow_static
 
 
 @runtime_checkable
@@ -103,12 +104,20 @@ def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[
     """Each request's tree from per-depth draft distributions that do not depend on the parent (Medusa's heads,
     DFlash's block slots): ``logp`` (B, D, V), row b's depth-d children drawn from ``logp[b, d - 1]``; at most D deep.
 
-    Chains are grown for every row at once on the device (`grow_chains`); other trees row by row."""
+    Chains, and a top-k static tree shared by every row, are grown for every row at once on the device
+    (`grow_chains`, `grow_static`); other trees row by row."""
     if all(type(r.policy) is Chain for r in requests):
         levels = iter(range(1, logp.shape[1]))
         return grow_chains(root_tokens(requests, logp.device), logp[:, 0], lambda _: logp[:, next(levels)],
                            [r.policy for r in requests], [min(r.max_depth, logp.shape[1]) for r in requests],
                            [r.sampling for r in requests])
+    policy = requests[0].policy
+    if type(policy) is StaticTree and all(r.policy == policy for r in requests) and all(
+            policy.draw == "top-k" or r.sampling is None or r.sampling.greedy for r in requests):
+        levels = iter(range(1, logp.shape[1]))
+        depths = [min(r.max_depth, logp.shape[1], policy.max_depth) for r in requests]
+        return grow_static(root_tokens(requests, logp.device), logp[:, 0], lambda *_: logp[:, next(levels)][:, None],
+                           policy, depths)[0]
     trees = []
     for request, row_logp in zip(requests, logp):
 

@@ -313,3 +313,25 @@ def test_a_growth_of_depth_zero_returns_the_root_without_asking():
 
     (tree,) = grow_together([Chain(depth=3).levels(7, max_depth=0)], lambda asked: pytest.fail("asked for a level"))
     assert tree.tokens.tolist() == [7]
+
+
+@pytest.mark.parametrize("choices", [[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], [[0], [0, 0], [0, 0, 0]],
+                                     [[1], [0], [1, 2], [1, 2, 0]]], ids=["branching", "chain", "gapped ranks"])
+def test_static_trees_grown_by_depth_for_all_rows_equal_each_rows_tree_grown_alone(choices):
+    """A drafter whose depths do not depend on the parent (Medusa, DFlash): `grow_by_depth` grows every row's top-k
+    static tree at once (`grow_static`); each row's tree equals the one `StaticTree.grow` grows for it alone, rows of
+    different depths included."""
+    from specgraft.heads.base import DraftRequest, grow_by_depth
+
+    rows, depth, vocab = 4, 3, 11
+    logp = torch.randn(rows, depth, vocab, generator=torch.Generator().manual_seed(0)).log_softmax(-1)  # (R, D, V)
+    policy = StaticTree(choices)
+    requests = [DraftRequest(None, 3 + r, policy, max_depth, None, r) for r, max_depth in enumerate((3, 1, 2, 3))]
+    together = grow_by_depth(requests, logp)
+    for request, row_logp, tree in zip(requests, logp, together):
+        alone = policy.grow(lambda t, frontier, row_logp=row_logp: row_logp[t.depth[frontier]], request.root_token,
+                            max_depth=min(request.max_depth, policy.max_depth))
+        assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
+        assert tree.depth.tolist() == alone.depth.tolist()
+        assert torch.equal(tree.ancestor_mask(), alone.ancestor_mask())
+        assert torch.allclose(tree.scores, alone.scores)

@@ -203,10 +203,11 @@ def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):
                  drafter="lookup", tree=sg.Chain(4))
 
 
+@pytest.mark.parametrize("tree", ["chain:3", "static"])
 @pytest.mark.parametrize("kind", ["medusa", "dflash"])
-def test_depth_drafters_chains_sync_at_most_four_times_a_step(stories, kind):
-    """Medusa's heads and DFlash's block draft every depth at once; their chains are picked on the device for all
-    rows (random heads: the counts do not depend on what is accepted)."""
+def test_depth_drafters_chains_and_static_trees_sync_at_most_four_times_a_step(stories, kind, tree):
+    """Medusa's heads and DFlash's block draft every depth at once; their chains and static trees are picked on the
+    device for all rows (random heads: the counts do not depend on what is accepted)."""
     import specgraft as sg
     from specgraft.heads import as_drafter, build_head
     from specgraft.heads.configs import DFlashConfig, MedusaConfig
@@ -214,4 +215,4 @@ def test_depth_drafters_chains_sync_at_most_four_times_a_step(stories, kind):
     torch.manual_seed(0)
     config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
     drafter = as_drafter(build_head(config, stories).eval(), stories)
-    assert_syncs(stories, CHAIN_SYNCS, {kind: drafter}, drafter=kind, tree=sg.Chain(3))
+    assert_syncs(stories, CHAIN_SYNCS, {kind: drafter}, drafter=kind, tree=tree_policy(tree))

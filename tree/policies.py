@@ -441,6 +441,8 @@ def grow_static(
 
     Args:
         roots: (R,) root tokens. logp: (R, V) the drafter's log-probs after each root.
+        step: the next level's (R, K, V) log-probs, or (R, 1, V) where every frontier node's children come from one
+            distribution (a drafter whose depths do not depend on the parent).
         depths: each row's depth (the policy's, cut to what it may draft).
     """
     deepest, device = max(depths), logp.device
@@ -454,6 +456,8 @@ def grow_static(
             run = tokens[-1] if not pad else torch.cat([tokens[-1], tokens[-1][:, :1].expand(-1, pad)], dim=1)
             logp = step(run, came_from)  # (R, K, V)
         top, child = (logp if level else logp[:, None]).topk(k, dim=-1)  # (R, K or 1, k)
+        if level and top.shape[1] == 1:  # one distribution for every frontier node (a depth's: Medusa, DFlash)
+            top, child = top.expand(-1, width, -1), child.expand(-1, width, -1)
         at, rank = _static_index(places, ranks, width, device)
         tokens.append(child[:, at[: len(places)], rank])  # (R, F): each node's rank among its parent's children
         scores.append(scores[-1][:, at[: len(places)]] + top[:, at[: len(places)], rank].float())
