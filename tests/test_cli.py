@@ -314,6 +314,7 @@ def test_generate_says_when_the_output_is_only_end_of_sequence(stories, monkeypa
     assert main(["generate", "--target", "t", "--drafter", "none", "--prompt", "Once upon a time"]) == 0
     err = capsys.readouterr().err
     assert f"the output is only the end-of-sequence token [{first}]" in err
+    assert "mean accepted length n/a (no steps)" in err and "mean accepted length 0.00" not in err  # no step verified
 
 
 def test_generate_reports_its_threads(stories, monkeypatch, capsys):

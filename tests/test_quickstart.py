@@ -142,6 +142,18 @@ def test_bench_reports_identical_greedy_output(demo_run):
     assert f"| {qs.HEAD_RUN} chain:5 |" in report and "Mean accepted length" in report and qs.DEMO_NOTE in report
 
 
+def test_the_report_says_so_where_a_method_verified_no_step(demo_run, tmp_path):
+    """A method whose outputs were only EOS has no mean accepted length (null in results.json): the report says so
+    instead of failing on it or printing 0.00."""
+    cfg, outputs, _ = demo_run
+    results = json.loads(Path(outputs["results_file"]).read_text())
+    method = next(m for m in results["methods"] if m["method"] not in ("plain", "hf"))
+    method["mean_accepted_length"] = None
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    report = qs.report(cfg, {**outputs, "results_file": str(tmp_path / "results.json")})
+    assert f"{method['method']} n/a (no steps)" in report
+
+
 def test_resume_reuses_every_finished_stage(demo_run, monkeypatch):
     cfg, outputs, _ = demo_run
     for stage in qs.STAGES:

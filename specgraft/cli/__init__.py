@@ -71,9 +71,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
             stats, ids = chunk.stats or stats, ids + list(chunk.token_ids)
         print()
+        from specgraft.infer.stats import format_tau
+
         print(
             f"[{stats.new_tokens} tokens, {stats.target_calls} target calls, "
-            f"mean accepted length {stats.mean_accepted_length:.2f}, {stats.tokens_per_s:.1f} tokens/s]",
+            f"mean accepted length {format_tau(stats.tau)}, {stats.tokens_per_s:.1f} tokens/s]",
             file=sys.stderr,
         )
     if ids and all(i in target.eos_token_ids for i in ids):

@@ -479,12 +479,13 @@ def closing_line(cfg: QuickstartConfig) -> str:
 
 def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
     """The table, tau per method, where the report and plots are, and how to reproduce the bench."""
+    from specgraft.infer.stats import format_tau
     from specgraft.tools.bench import PLOTS, results_markdown
 
     results = json.loads(Path(outputs["results_file"]).read_text())
     bench_dir = Path(outputs["bench_dir"])
     taus = ", ".join(
-        f"{m['method']} {m['mean_accepted_length']:.2f}" for m in results["methods"] if m["method"] not in ("plain", "hf")
+        f"{m['method']} {format_tau(m['mean_accepted_length'])}" for m in results["methods"] if m["method"] not in ("plain", "hf")
     )
     lines = [results_markdown(results).rstrip(), "", f"Mean accepted length (tau, tokens per target call): {taus}."]
     speeds = {m["method"]: m["e2e_tokens_per_s"] or 0.0 for m in results["methods"]}
