@@ -286,29 +286,20 @@ class FeatureRound:
         """Every request's `DynamicTree` after `run_roots` (one policy for all, a batched cache): `grow_dynamic`
         ranks and keeps nodes on the device and `_level` runs each level's frontier, every row's ``top_k``
         nodes in one forward, nothing read back."""
-        n, policy = len(self.requests), self.requests[0].policy
-        depths = [min(policy.depth, r.max_depth) for r in self.requests]
-        roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
-        state = {"level": 1, "outputs": torch.stack([self.outputs[i][0] for i in range(n)])[:, None], "seen": None}
-        first = self._lengths()
-
-        def step(tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
-            state["level"] += 1
-            out = self._level(state, tokens, came_from)
-            return self.head.draft_logp(out).float().log_softmax(-1)  # (R, k, V)
-
-        trees = grow_dynamic(roots, logp, step, policy, depths)
-        for i, (request, depth) in enumerate(zip(self.requests, depths)):
-            # The slots its levels took, for its peak (`rollback` counts them): keyed -1, -2, ..., no node's index,
-            # as the frontiers that ran are not the tree's nodes once it is cut
-            self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * policy.top_k))
-        return trees
+        policy = self.requests[0].policy
+        return self._by_levels(policy.depth, lambda *grown: (grow_dynamic(*grown[:3], policy, grown[3]), policy.top_k))
 
     def static(self) -> list[Tree]:
         """Every request's top-k `StaticTree` after `run_roots` (one policy for all, a batched cache): `grow_static`
         picks each level's ranks on the device and `_level` runs its frontier, padded to the widest, in one forward."""
-        n, policy = len(self.requests), self.requests[0].policy
-        depths = [min(policy.max_depth, r.max_depth) for r in self.requests]
+        policy = self.requests[0].policy
+        return self._by_levels(policy.max_depth, lambda *grown: grow_static(*grown[:3], policy, grown[3]))
+
+    def _by_levels(self, deepest: int, grow) -> list[Tree]:
+        """Trees grown on the device by ``grow(roots, logp, step, depths) -> (trees, K)``, each of its levels' K-node
+        frontiers run by ``step`` (`_level`) for every row in one forward; rows are cut to ``deepest``."""
+        n = len(self.requests)
+        depths = [min(deepest, r.max_depth) for r in self.requests]
         roots, logp = torch.cat(self.roots), torch.stack([self.logp[i][0] for i in range(n)])  # (R,), (R, V)
         state = {"level": 1, "outputs": torch.stack([self.outputs[i][0] for i in range(n)])[:, None], "seen": None}
         first = self._lengths()
@@ -317,8 +308,10 @@ class FeatureRound:
             state["level"] += 1
             return self.head.draft_logp(self._level(state, tokens, came_from)).float().log_softmax(-1)  # (R, K, V)
 
-        trees, width = grow_static(roots, logp, step, policy, depths)
-        for i, (request, depth) in enumerate(zip(self.requests, depths)):  # the slots its levels took (as `dynamic`)
+        trees, width = grow(roots, logp, step, depths)
+        for i, (request, depth) in enumerate(zip(self.requests, depths)):
+            # The slots its levels took, for its peak (`rollback` counts them): keyed -1, -2, ..., no node's index,
+            # as the frontiers that ran are not the tree's nodes once it is cut
             self.slots[i].update((-1 - j, first[request.row] + j) for j in range((depth - 1) * width))
         return trees
 

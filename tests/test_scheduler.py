@@ -405,13 +405,19 @@ def test_dynamic_trees_grown_on_the_device_equal_each_rows_tree_alone(stories, p
     """Rows sharing one `DynamicTree`, of different depths, in pool rows out of order beside a held row that does not
     draft: every level of every row in one forward, ranked and cut on the device (`grow_dynamic`). Each row's tree
     is the one its state grows alone, node for node, with its ancestors; only committed pairs stay cached."""
+    gen = batch_drafter_case(stories, kind, request)
+    rows, requests, lengths = held_rows_drafting(stories, prompts, gen, sg.DynamicTree(top_k=3, depth=4, budget=budget))
+    assert_each_tree_as_alone(requests, gen.drafter.propose_batch(requests, rows), rows, lengths)
+
+
+def held_rows_drafting(stories, prompts, gen, policy):
+    """Five pool rows, prefilled out of order; four draft with ``policy`` at depths 4, 2, 3 and 1, the fifth is held
+    but drafts nothing. Returns the rows, the four requests and each drafting row's committed pairs."""
     import torch
 
     from specgraft.heads.base import DraftRequest
 
-    gen = batch_drafter_case(stories, kind, request)
     rows = gen.drafter.new_rows(5, 256)
-    policy = sg.DynamicTree(top_k=3, depth=4, budget=budget)
     requests, lengths = [], {}
     for row, prompt, depth in zip((3, 0, 2, 4, 1), prompts[:4] + prompts[:1], (4, 2, 3, 1, 0)):
         ids = torch.tensor(stories.encode(prompt))
@@ -421,13 +427,21 @@ def test_dynamic_trees_grown_on_the_device_equal_each_rows_tree_alone(stories, p
         if depth:  # the last row is held but drafts nothing this round
             requests.append(DraftRequest(state, int(out.logits[0, -1].argmax()), policy, depth, None, row))
             lengths[row] = len(ids) - 1
-    together = gen.drafter.propose_batch(requests, rows)
+    return rows, requests, lengths
+
+
+def assert_each_tree_as_alone(requests, together, rows, lengths) -> None:
+    """Each request's tree drafted together is the one its state grows alone, node for node, with its ancestors; only
+    committed pairs stay cached."""
+    import torch
+
     for r, tree in zip(requests, together):
         alone = r.state.propose(r.root_token, r.policy, r.max_depth)
         assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
         assert tree.depth.tolist() == alone.depth.tolist()
         assert torch.equal(tree.ancestor_mask(), alone.ancestor_mask())
         assert torch.allclose(tree.scores, alone.scores, atol=1e-4)
+        assert tree.is_chain == alone.is_chain or not tree.is_chain
     assert [rows.lengths(5)[row] for row in lengths] == list(lengths.values())  # committed pairs only
 
 
@@ -440,37 +454,16 @@ def test_static_trees_grown_on_the_device_equal_each_rows_tree_alone(stories, pr
     not draft: every level of every row in one forward, each node its rank of its parent's top-k picked on the
     device (`grow_static`). Each row's tree is the one its state grows alone, node for node, with its ancestors;
     only committed pairs stay cached."""
-    import torch
-
-    from specgraft.heads.base import DraftRequest
     from specgraft.heads.feature_drafter import FeatureRound
 
     gen = batch_drafter_case(stories, kind, request)
-    rows = gen.drafter.new_rows(5, 256)
-    policy = sg.StaticTree(choices)
-    requests, lengths = [], {}
-    for row, prompt, depth in zip((3, 0, 2, 4, 1), prompts[:4] + prompts[:1], (4, 2, 3, 1, 0)):
-        ids = torch.tensor(stories.encode(prompt))
-        out = stories.forward(ids[None], stories.new_cache(), torch.arange(len(ids))[None],
-                              hidden_layers=gen.drafter.hidden_layers, last_only=True)
-        state = gen.drafter.start(ids, {i: h[0] for i, h in out.hidden.items()}, cache=rows.acquire(row)[1])
-        if depth:  # the last row is held but drafts nothing this round
-            requests.append(DraftRequest(state, int(out.logits[0, -1].argmax()), policy, depth, None, row))
-            lengths[row] = len(ids) - 1
-    grown = []
-    static = FeatureRound.static
+    rows, requests, lengths = held_rows_drafting(stories, prompts, gen, sg.StaticTree(choices))
+    grown, static = [], FeatureRound.static
     with pytest.MonkeyPatch.context() as patch:  # the batched path really runs
         patch.setattr(FeatureRound, "static", lambda self: grown.append(1) or static(self))
         together = gen.drafter.propose_batch(requests, rows)
     assert grown == [1]
-    for r, tree in zip(requests, together):
-        alone = r.state.propose(r.root_token, r.policy, r.max_depth)
-        assert tree.tokens.tolist() == alone.tokens.tolist() and tree.parents.tolist() == alone.parents.tolist()
-        assert tree.depth.tolist() == alone.depth.tolist()
-        assert torch.equal(tree.ancestor_mask(), alone.ancestor_mask())
-        assert torch.allclose(tree.scores, alone.scores, atol=1e-4)
-        assert tree.is_chain == alone.is_chain or not tree.is_chain
-    assert [rows.lengths(5)[row] for row in lengths] == list(lengths.values())  # committed pairs only
+    assert_each_tree_as_alone(requests, together, rows, lengths)
 
 
 @pytest.mark.parametrize("kind", ["trained_eagle", "eagle3_static"])
