@@ -42,9 +42,10 @@ def test_bench_refuses_vllm_flags_in_the_wrong_mode_before_a_model_loads(tmp_pat
     prompts = tmp_path / "p.txt"
     prompts.write_text("Hi\n")
     common = ["--prompts", str(prompts), "--out", str(tmp_path / "out")]
-    assert main(["bench", "--target", "/nonexistent", "--vllm", "plain", *common]) == 2
+    target = str(tmp_path)  # a directory that holds no model: loading it would fail otherwise
+    assert main(["bench", "--target", target, "--vllm", "plain", *common]) == 2
     assert "--vllm runs with --batch-size" in capsys.readouterr().err
-    assert main(["bench", "--target", "/nonexistent", "--vllm-server", "a=http://127.0.0.1:9", *common]) == 2
+    assert main(["bench", "--target", target, "--vllm-server", "a=http://127.0.0.1:9", *common]) == 2
     assert "--vllm-server benches a vLLM server beside --server" in capsys.readouterr().err
     assert main(["bench", "--server", "http://127.0.0.1:9", "--vllm", "plain", *common]) == 2
     assert "--vllm apply to the offline bench" in capsys.readouterr().err

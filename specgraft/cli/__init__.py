@@ -71,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
             stats, ids = chunk.stats or stats, ids + list(chunk.token_ids)
         print()
-        from specgraft.infer.stats import format_tau
+        from specgraft.infer import format_tau
 
         print(
             f"[{stats.new_tokens} tokens, {stats.target_calls} target calls, "

@@ -479,7 +479,7 @@ def closing_line(cfg: QuickstartConfig) -> str:
 
 def report(cfg: QuickstartConfig, outputs: dict[str, Any]) -> str:
     """The table, tau per method, where the report and plots are, and how to reproduce the bench."""
-    from specgraft.infer.stats import format_tau
+    from specgraft.infer import format_tau
     from specgraft.tools.bench import PLOTS, results_markdown
 
     results = json.loads(Path(outputs["results_file"]).read_text())
