@@ -377,13 +377,8 @@ def test_train_fraction_trains_on_a_nested_share_and_keeps_the_held_out_split(st
     assert not key(full) & key(f_held)
 
 
-def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes_from_it(
-    stories, tmp_path, examples, monkeypatch, capsys, caplog
-):
-    from specgraft.cli import main
-    from specgraft.tools.quickstart import specgraft_command
-    from specgraft.train.trainer import Trainer
-
+def medusa_recipe(tmp_path, stories, examples, monkeypatch) -> Path:
+    """A one-head Medusa recipe over the examples' text, run through `specgraft train` on the CPU accelerator."""
     text = tmp_path / "stories.jsonl"
     text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
     config = tmp_path / "recipe.yaml"
@@ -394,6 +389,17 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes_from_it(
         "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8},
     }))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    return config
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_command_that_resumes_from_it(
+    stories, tmp_path, examples, monkeypatch, capsys, caplog
+):
+    from specgraft.cli import main
+    from specgraft.tools.quickstart import specgraft_command
+    from specgraft.train.trainer import Trainer
+
+    config = medusa_recipe(tmp_path, stories, examples, monkeypatch)
     log_train = Trainer._log_train
 
     def ctrl_c_at_step_3(self, *args, **kwargs):  # a SIGINT lands as KeyboardInterrupt in the loop
@@ -439,16 +445,7 @@ def test_train_redirected_writes_lines_not_progress_bars(stories, tmp_path, exam
 
     from specgraft.cli import main
 
-    text = tmp_path / "stories.jsonl"
-    text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
-    config = tmp_path / "recipe.yaml"
-    config.write_text(yaml.safe_dump({
-        "target": {"path": stories.name},
-        "head": {"type": "medusa", "num_heads": 1},
-        "data": {"train": str(text), "max_length": 32, "eval_fraction": 0.0},
-        "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8},
-    }))
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    config = medusa_recipe(tmp_path, stories, examples, monkeypatch)
     hf_logging.enable_progress_bar()  # as a user's process starts (the test session turns it off)
     try:
         assert main(["train", str(config), "training.max_steps=3"]) == 0
