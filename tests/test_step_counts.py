@@ -216,3 +216,19 @@ def test_depth_drafters_chains_and_static_trees_sync_at_most_four_times_a_step(s
     config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
     drafter = as_drafter(build_head(config, stories).eval(), stories)
     assert_syncs(stories, CHAIN_SYNCS, {kind: drafter}, drafter=kind, tree=tree_policy(tree))
+
+
+def test_counting_a_bench_methods_steps_sizes_its_rows_to_the_prompts(stories):
+    """`count_decoding` (the bench's kernel and sync columns) holds rows of the prompts' length plus the new tokens,
+    not the scheduler's default length (a 7.5 GB pool for SmolLM2 at batch 32 beside the bench's own)."""
+    import specgraft as sg
+    from specgraft.tools.step_counts import count_decoding
+
+    gen = sg.SpeculativeGenerator(stories, None)
+    made = []
+    scheduler = gen.scheduler
+    gen.scheduler = lambda **kwargs: made.append(scheduler(**kwargs)) or made[-1]
+    prompts = [stories.encode("Once upon a time"), stories.encode("The little dog ran")]
+    counts = count_decoding(gen, prompts, max_new_tokens=6)
+    assert counts.steps > 0 and counts.kernels_per_step > 0
+    assert [s.max_len for s in made] == [max(map(len, prompts)) + 6]
