@@ -600,6 +600,43 @@ def test_ctrl_c_before_any_prompt_finished_writes_nothing(stories, tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("stop_at_count", [3, 1], ids=["after batch size 1", "during batch size 1"])
+def test_ctrl_c_in_a_batch_sweep_writes_the_batch_sizes_that_finished(stories, prompts_file, tmp_path, capsys,
+                                                                      monkeypatch, stop_at_count):
+    """`bench --batch-size` stopped by Ctrl-C: one line, and results.json / results.md hold the batch sizes that
+    finished (marked interrupted); stopped before any finished, it says that nothing was written."""
+    import specgraft.tools.bench_batch as bench_batch
+
+    count, calls = bench_batch.count_decoding, []
+
+    def ctrl_c_at_a_count(*args, **kwargs):  # each method's step count closes its batch size
+        calls.append(1)
+        if len(calls) == stop_at_count:
+            raise KeyboardInterrupt
+        return count(*args, **kwargs)
+
+    monkeypatch.setattr(bench_batch, "count_decoding", ctrl_c_at_a_count)
+    out = tmp_path / "out"
+    args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--prompts", str(prompts_file),
+                 "--max-new-tokens", str(N), "--batch-size", "1,2", "--out", str(out))
+    assert bench_main(args) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    if stop_at_count == 1:
+        assert captured.err.splitlines()[-1] == (
+            "specgraft bench: interrupted before any batch size finished; nothing written")
+        assert not (out / "results.json").exists()
+        return
+    assert captured.err.splitlines()[-1] == (
+        f"specgraft bench: interrupted after batch sizes [1] of [1, 2]; the batch sizes that finished are in "
+        f"{out / 'results.json'} (and results.md)")
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["interrupted"] is True and results["settings"]["batch_sizes"] == [1]
+    assert {(r["method"], r["batch_size"]) for r in results["rows"]} == {("plain", 1), ("prompt-lookup", 1)}
+    assert results["greedy_identical"] is True
+    assert "Interrupted (Ctrl-C): batch sizes [1] of [1, 2] finished." in (out / "results.md").read_text()
+
+
 def test_aggregate_has_no_mean_accepted_length_where_no_prompt_made_a_verification_step():
     """An output of only EOS makes no verification step: its tau is null, not 0.0, and the others' stay theirs."""
     eos_only = sg.GenerationStats(new_tokens=1, target_calls=0).to_dict()

@@ -466,18 +466,25 @@ def parse_batch_sizes(spec: str) -> list[int]:
 
 def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int], threads_why: str) -> int:
     """``bench --batch-size``: each method over the prompts B at a time; writes JSON, markdown and a plot."""
-    from specgraft.tools.bench_batch import batch_markdown, run_batch_sweep, write_batch_plot
+    from specgraft.tools.bench_batch import BatchSweepInterrupted, batch_markdown, run_batch_sweep, write_batch_plot
 
     if args.temperature:
         raise ValueError("--batch-size runs greedy (its outputs are checked against plain decoding); drop --temperature")
     engine_methods = [m for m in methods if not isinstance(m, Runner)]
     encoded = [encode_prompt(target, p.text) for p in prompts]
+    stopped = None
     with contextlib.ExitStack() as stack:
         engines = _vllm_engines(args, target, max(map(len, encoded)) + args.max_new_tokens, stack)
-        results = run_batch_sweep(
-            target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens,
-            rounds=args.rounds, engines=engines,
-        )
+        try:
+            results = run_batch_sweep(
+                target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens,
+                rounds=args.rounds, engines=engines,
+            )
+        except BatchSweepInterrupted as stop:  # the batch sizes that finished are written below
+            results, stopped = stop.results, stop
+        except KeyboardInterrupt:
+            print("specgraft bench: interrupted before any batch size finished; nothing written", file=sys.stderr)
+            return 130
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
                                small_rows=target.small_rows.to_dict())
     if engines:
@@ -488,6 +495,10 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(batch_markdown(results))
     write_batch_plot(results, out)
+    if stopped is not None:
+        print(f"specgraft bench: {stopped}; the batch sizes that finished are in {out / 'results.json'} (and results.md)",
+              file=sys.stderr)
+        return 130
     print(json.dumps(results, indent=2) if args.json else batch_markdown(results))
     if not results["greedy_identical"]:
         print(f"specgraft bench: {len(results['mismatches'])} greedy outputs differ from plain decoding", file=sys.stderr)

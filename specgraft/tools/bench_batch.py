@@ -71,33 +71,65 @@ def run_batch_sweep(
     external = {name for name, _ in engines}
     for _, gen in gens:  # warm-up: one short batch each
         gen.generate_batch(list(prompts[:2]), max_new_tokens=8, eos_token_id=())
-    rows, mismatches = [], []
-    for b in batch_sizes:
-        groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)] * rounds
-        for _, gen in gens:  # each method's memory for this size, allocated before any timing (see `reserve`)
-            gen.reserve(b, max(len(p) for p in prompts) + max_new_tokens)
-        runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
-        for index, group in enumerate(progress_bar(groups, desc=f"batch {b}", unit="group", enabled=progress)):
-            for k in range(len(gens)):
-                name, gen = gens[(index + k) % len(gens)]
-                start = time.perf_counter()
-                outs = gen.generate_batch(group, max_new_tokens=max_new_tokens, eos_token_id=())
-                runs[name].append((outs, time.perf_counter() - start))
-        reference = runs[gens[0][0]]
-        for name, method_runs in runs.items():
-            for (outs, _), (ref, _) in zip(method_runs, reference):
-                mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
-            engine = getattr(dict(engines)[name], "engine_name", "other") if name in external else "specgraft"
-            # Kernels and host syncs a decoding step, counted over the first group again, untimed
-            counts = None if name in external else count_decoding(dict(gens)[name], groups[0], max_new_tokens)
-            rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference),
-                         "speedup_by_round": by_round(method_runs, reference, rounds),
-                         "kernels_per_step": counts and counts.kernels_per_step,
-                         "syncs_per_step": counts and counts.syncs_per_step})
+    rows, mismatches, done = [], [], []
+    settings = {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
+                "order": "interleaved per group of B prompts; the method order rotates by one each group"}
+    try:
+        for b in batch_sizes:
+            rows += _batch_size(b, gens, external, engines, prompts, max_new_tokens, rounds, progress, mismatches)
+            done.append(b)
+    except KeyboardInterrupt:
+        if not done:
+            raise
+        settings.update(interrupted=True, batch_sizes=done, batch_sizes_given=list(batch_sizes))
+        raise BatchSweepInterrupted(_results(settings, rows, rounds, methods, mismatches)) from None
+    return _results(settings, rows, rounds, methods, mismatches)
+
+
+class BatchSweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `run_batch_sweep` after at least one batch size finished: ``results`` holds those sizes
+    (``settings.interrupted``)."""
+
+    def __init__(self, results: dict[str, Any]) -> None:
+        settings = results["settings"]
+        super().__init__(f"interrupted after batch sizes {settings['batch_sizes']} of {settings['batch_sizes_given']}")
+        self.results = results
+
+
+def _batch_size(b: int, gens: list, external: set, engines: Sequence, prompts: Sequence[list[int]], max_new_tokens: int,
+                rounds: int, progress: bool, mismatches: list[dict]) -> list[dict[str, Any]]:
+    """One batch size's rows: every method over the prompts B at a time, ``rounds`` times, then counted (outputs that
+    differ from plain decoding's go to ``mismatches``)."""
+    rows = []
+    groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)] * rounds
+    for _, gen in gens:  # each method's memory for this size, allocated before any timing (see `reserve`)
+        gen.reserve(b, max(len(p) for p in prompts) + max_new_tokens)
+    runs: dict[str, list[tuple[list, float]]] = {name: [] for name, _ in gens}
+    for index, group in enumerate(progress_bar(groups, desc=f"batch {b}", unit="group", enabled=progress)):
+        for k in range(len(gens)):
+            name, gen = gens[(index + k) % len(gens)]
+            start = time.perf_counter()
+            outs = gen.generate_batch(group, max_new_tokens=max_new_tokens, eos_token_id=())
+            runs[name].append((outs, time.perf_counter() - start))
+    reference = runs[gens[0][0]]
+    for name, method_runs in runs.items():
+        for (outs, _), (ref, _) in zip(method_runs, reference):
+            mismatches += [{"method": name, "batch_size": b} for o, r in zip(outs, ref) if o.token_ids != r.token_ids]
+        engine = getattr(dict(engines)[name], "engine_name", "other") if name in external else "specgraft"
+        # Kernels and host syncs a decoding step, counted over the first group again, untimed
+        counts = None if name in external else count_decoding(dict(gens)[name], groups[0], max_new_tokens)
+        rows.append({**_summary(name, b, method_runs), "engine": engine, **paired(method_runs, reference),
+                     "speedup_by_round": by_round(method_runs, reference, rounds),
+                     "kernels_per_step": counts and counts.kernels_per_step,
+                     "syncs_per_step": counts and counts.syncs_per_step})
+    return rows
+
+
+def _results(settings: dict, rows: list[dict], rounds: int, methods: Sequence, mismatches: list[dict]) -> dict[str, Any]:
+    """The sweep's results (what results.json holds) over the rows measured."""
     return {
-        "settings": {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                     "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
-                     "order": "interleaved per group of B prompts; the method order rotates by one each group"},
+        "settings": settings,
         "rows": rows,
         "crossover": crossover(rows),
         "verdict": verdict(rows, rounds),
@@ -236,6 +268,8 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
         f"{settings.get('rounds', 1)} round(s). Greedy outputs identical "
         "to plain decoding: " + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])})."),
         "",
+        *([f"Interrupted (Ctrl-C): batch sizes {sizes} of {settings['batch_sizes_given']} finished.", ""]
+          if settings.get("interrupted") else []),
         "Total tokens/s (tau in brackets):",
         "",
         "| method | " + " | ".join(f"B={b}" for b in sizes) + " |",
