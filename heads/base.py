@@ -100,6 +100,14 @@ def root_tokens(requests: Sequence[DraftRequest], device: torch.device) -> torch
     return staged(device, [r.root_token for r in requests])[0]
 
 
+def shared_top_k_static(requests: Sequence[DraftRequest]) -> bool:
+    """Whether every request grows one `StaticTree`, each child its listed rank of the top-k (greedy rows, or a top-k
+    draw): the trees `grow_static` grows for all rows at once."""
+    policy = requests[0].policy
+    return type(policy) is StaticTree and all(r.policy == policy for r in requests) and all(
+        policy.draw == "top-k" or r.sampling is None or r.sampling.greedy for r in requests)
+
+
 def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[Tree]:
     """Each request's tree from per-depth draft distributions that do not depend on the parent (Medusa's heads,
     DFlash's block slots): ``logp`` (B, D, V), row b's depth-d children drawn from ``logp[b, d - 1]``; at most D deep.
@@ -112,8 +120,7 @@ def grow_by_depth(requests: Sequence[DraftRequest], logp: torch.Tensor) -> list[
                            [r.policy for r in requests], [min(r.max_depth, logp.shape[1]) for r in requests],
                            [r.sampling for r in requests])
     policy = requests[0].policy
-    if type(policy) is StaticTree and all(r.policy == policy for r in requests) and all(
-            policy.draw == "top-k" or r.sampling is None or r.sampling.greedy for r in requests):
+    if shared_top_k_static(requests):
         levels = iter(range(1, logp.shape[1]))
         depths = [min(r.max_depth, logp.shape[1], policy.max_depth) for r in requests]
         return grow_static(root_tokens(requests, logp.device), logp[:, 0], lambda *_: logp[:, next(levels)][:, None],

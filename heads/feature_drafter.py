@@ -32,12 +32,12 @@ from typing import Sequence
 
 import torch
 
-from specgraft.heads.base import DraftRequest
+from specgraft.heads.base import DraftRequest, shared_top_k_static
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
 from specgraft.model.staging import staged
 from specgraft.tree import Chain, DynamicTree, Sampling, Tree, TreePolicy, grow_chains, grow_together
 from specgraft.tree.dynamic import grow_dynamic
-from specgraft.tree.policies import StaticTree, grow_static
+from specgraft.tree.policies import grow_static
 
 
 # Commits a state holds as views of their steps' forward outputs before folding them into features: a row that
@@ -99,9 +99,7 @@ class FeatureDrafter:
     def rows_static(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
         """Whether `FeatureRound.static` grows these requests' trees: one `StaticTree` for all, each child its rank of
         the top-k (greedy rows, or a top-k draw), in a batched cache."""
-        policy = requests[0].policy
-        return (rows is not None and type(policy) is StaticTree and all(r.policy == policy for r in requests)
-                and all(policy.draw == "top-k" or r.sampling is None or r.sampling.greedy for r in requests))
+        return rows is not None and shared_top_k_static(requests)
 
 
 class FeatureDraftState:

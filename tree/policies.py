@@ -391,8 +391,9 @@ FrontierStepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 class _StaticFrame:
     """A `StaticTree` cut to a depth, laid out for `grow_static`: its nodes level by level, in `levels`' order."""
 
-    levels: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # per level: (parent's place in the last
-    # frontier, rank) of each node, and how many ranks its parents' top-k must hold
+    levels: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]  # per level: each node's parent's place in the last
+    # frontier, padded with 0 to `width` ((max(F, K),)), each node's rank (F,), and how many ranks the top-k must hold
+    width: int  # K: the widest frontier a step runs (levels 1 .. depth - 1)
     sizes: tuple[int, ...]  # nodes up to each depth, root included
     parents: torch.Tensor  # (N,)
     depth: torch.Tensor  # (N,)
@@ -415,16 +416,19 @@ def _static_frame(policy: StaticTree, depth: int, device: torch.device) -> _Stat
                 node_of[parent + (rank,)] = len(parents)
                 parents.append(node_of[parent])
                 depths.append(len(parent) + 1)
-        levels.append((tuple(places), tuple(ranks), max(ranks) + 1))
+        levels.append((places, ranks))
         sizes.append(len(parents))
         frontier = here
+    width = max([len(places) for places, _ in levels[:-1]] or [1])
     ancestors = torch.zeros(len(parents), len(parents), dtype=torch.bool)
     for node in range(len(parents)):
         at = node
         while at != ROOT_PARENT:
             ancestors[node, at] = True
             at = parents[at]
-    return _StaticFrame(tuple(levels), tuple(sizes), torch.tensor(parents, device=device),
+    levels = tuple((torch.tensor(places + [0] * (width - len(places)), device=device), torch.tensor(ranks, device=device),
+                    max(ranks) + 1) for places, ranks in levels)
+    return _StaticFrame(levels, width, tuple(sizes), torch.tensor(parents, device=device),
                         torch.tensor(depths, device=device), ancestors.to(device), parents == list(range(-1, len(parents) - 1)))
 
 
@@ -447,10 +451,10 @@ def grow_static(
     """
     deepest, device = max(depths), logp.device
     frame = _static_frame(policy, deepest, device)
-    width = max([len(places) for places, _, _ in frame.levels[:-1]] or [1])  # frontiers run: levels 1 .. deepest - 1
+    width = frame.width
     tokens, scores = [roots[:, None]], [torch.zeros(len(depths), 1, device=device)]
     came_from = None  # the frontier run next: each node's parent's place in the frontier run before (None: the root)
-    for level, (places, ranks, k) in enumerate(frame.levels):
+    for level, (at, rank, k) in enumerate(frame.levels):
         if level:  # the last level's nodes, padded to K, through the drafter: their children's log-probs
             pad = width - tokens[-1].shape[1]
             run = tokens[-1] if not pad else torch.cat([tokens[-1], tokens[-1][:, :1].expand(-1, pad)], dim=1)
@@ -458,9 +462,9 @@ def grow_static(
         top, child = (logp if level else logp[:, None]).topk(k, dim=-1)  # (R, K or 1, k)
         if level and top.shape[1] == 1:  # one distribution for every frontier node (a depth's: Medusa, DFlash)
             top, child = top.expand(-1, width, -1), child.expand(-1, width, -1)
-        at, rank = _static_index(places, ranks, width, device)
-        tokens.append(child[:, at[: len(places)], rank])  # (R, F): each node's rank among its parent's children
-        scores.append(scores[-1][:, at[: len(places)]] + top[:, at[: len(places)], rank].float())
+        parent = at[: len(rank)]  # (F,)
+        tokens.append(child[:, parent, rank])  # (R, F): each node's rank among its parent's children
+        scores.append(scores[-1][:, parent] + top[:, parent, rank].float())
         came_from = at.expand(len(depths), -1) if level else None  # padding nodes: node 0's place, never read
     tokens, scores = torch.cat(tokens, dim=1), torch.cat(scores, dim=1)  # (R, N)
     trees = []
@@ -472,15 +476,6 @@ def grow_static(
                              is_chain=frame.is_chain, _depth_bound=depth)
         trees.append(tree)
     return trees, width
-
-
-@functools.lru_cache(maxsize=256)
-def _static_index(
-    places: tuple[int, ...], ranks: tuple[int, ...], width: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A level's parent places, padded with 0 to the frontier width K, (max(F, K),), and its ranks (F,), as index
-    tensors made once per level and device."""
-    return torch.tensor(list(places) + [0] * (width - len(places)), device=device), torch.tensor(ranks, device=device)
 
 
 def parse_tree_spec(spec: str | TreeSpec) -> TreePolicy:
