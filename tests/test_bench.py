@@ -549,21 +549,27 @@ def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_pa
         bench_main(args)
 
 
+def ctrl_c_at_call(n: int, fn):
+    """``fn``, except that its ``n``-th call raises KeyboardInterrupt, as a Ctrl-C landing there would."""
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def test_ctrl_c_writes_the_prompts_every_method_finished_and_says_where(stories, tmp_path, capsys, monkeypatch):
     import specgraft.tools.bench as bench
 
     prompts = PROMPTS + [BenchPrompt("2", "story", "There was a big tree.")]
     prompts_file = _write_jsonl(tmp_path / "p.jsonl", [
         {"question_id": p.id, "category": p.category, "turns": [p.text]} for p in prompts])
-    timed, calls = bench._timed, []
-
-    def ctrl_c_in_the_second_prompt(runner, ids, max_new_tokens):
-        calls.append(runner.name)
-        if len(calls) == 3:  # plain and prompt-lookup finished prompt 0; prompt 1 is half done
-            raise KeyboardInterrupt
-        return timed(runner, ids, max_new_tokens)
-
-    monkeypatch.setattr(bench, "_timed", ctrl_c_in_the_second_prompt)
+    # The third timed run: plain and prompt-lookup finished prompt 0; prompt 1 is half done.
+    monkeypatch.setattr(bench, "_timed", ctrl_c_at_call(3, bench._timed))
     out = tmp_path / "out"
     args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--prompts", str(prompts_file),
                  "--max-new-tokens", str(N), "--baselines", "plain", "--out", str(out))
@@ -607,15 +613,8 @@ def test_ctrl_c_in_a_batch_sweep_writes_the_batch_sizes_that_finished(stories, p
     finished (marked interrupted); stopped before any finished, it says that nothing was written."""
     import specgraft.tools.bench_batch as bench_batch
 
-    count, calls = bench_batch.count_decoding, []
-
-    def ctrl_c_at_a_count(*args, **kwargs):  # each method's step count closes its batch size
-        calls.append(1)
-        if len(calls) == stop_at_count:
-            raise KeyboardInterrupt
-        return count(*args, **kwargs)
-
-    monkeypatch.setattr(bench_batch, "count_decoding", ctrl_c_at_a_count)
+    # Each method's step count closes its batch size.
+    monkeypatch.setattr(bench_batch, "count_decoding", ctrl_c_at_call(stop_at_count, bench_batch.count_decoding))
     out = tmp_path / "out"
     args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--prompts", str(prompts_file),
                  "--max-new-tokens", str(N), "--batch-size", "1,2", "--out", str(out))
