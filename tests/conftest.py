@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shlex
@@ -44,6 +45,30 @@ def dev_prompts() -> list[str]:
     if not DEV_PROMPTS.is_file():
         pytest.skip(f"../shared assets are absent ({DEV_PROMPTS} not found)")
     return [json.loads(line)["turns"][0] for line in DEV_PROMPTS.read_text().splitlines() if line.strip()]
+
+
+def ctrl_c_at_call(n: int, fn):
+    """``fn`` (a function or a coroutine function), except that its ``n``-th call raises KeyboardInterrupt, as a
+    Ctrl-C landing there would."""
+    calls = []
+
+    def count() -> None:
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+
+    if inspect.iscoroutinefunction(fn):
+        async def call_async(*args, **kwargs):
+            count()
+            return await fn(*args, **kwargs)
+
+        return call_async
+
+    def call(*args, **kwargs):
+        count()
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 97, seed: int = 0, layers: int = 2):

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEV_PROMPTS, SHARED, STORIES
+from conftest import DEV_PROMPTS, SHARED, STORIES, ctrl_c_at_call
 
 import specgraft as sg
 from specgraft.heads import build_head, save_head
@@ -547,19 +547,6 @@ def test_batch_size_values_are_checked_before_a_model_loads(prompts_file, tmp_pa
     args = _args("--target", "/nonexistent", "--prompts", str(prompts_file), "--batch-size", "1,x", "--out", str(tmp_path))
     with pytest.raises(ValueError, match="--batch-size '1,x'"):
         bench_main(args)
-
-
-def ctrl_c_at_call(n: int, fn):
-    """``fn``, except that its ``n``-th call raises KeyboardInterrupt, as a Ctrl-C landing there would."""
-    calls = []
-
-    def call(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise KeyboardInterrupt
-        return fn(*args, **kwargs)
-
-    return call
 
 
 def test_ctrl_c_writes_the_prompts_every_method_finished_and_says_where(stories, tmp_path, capsys, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import httpx
@@ -17,7 +18,7 @@ import specgraft as sg
 from specgraft.heads import load_drafter
 from specgraft.infer.serve import chat_prompt_ids, create_app
 
-from conftest import STORIES, needs_shared
+from conftest import STORIES, ctrl_c_at_call, needs_shared
 from serve_helpers import Boom, ServerThread, metric
 
 openai = pytest.importorskip("openai")
@@ -545,6 +546,58 @@ def test_bench_server_pairs_each_rounds_pass_with_speculation_on_with_its_pass_o
     assert (on["paired_vs_off_p25"], on["paired_vs_off_p50"], on["paired_vs_off_p75"]) == (0.75, 1.0, 1.5)
     assert on["total_tokens_per_s"] / off["total_tokens_per_s"] == pytest.approx(6 / 7)  # pooled: 6 s off, 7 s on
     assert "| 1 | 0.857x | 1.000x (0.750-1.500) |" in (out / "results.md").read_text()
+
+
+def sigint_at_call(n: int, fn):
+    """The coroutine function ``fn``, except that its ``n``-th call sends this process SIGINT first, as a Ctrl-C at
+    the terminal does (under `asyncio.run`, the running task is cancelled, and KeyboardInterrupt raised after it)."""
+    calls = []
+
+    async def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            signal.raise_signal(signal.SIGINT)
+        return await fn(*args, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c in concurrency 3", "sigint in concurrency 3", "ctrl-c in concurrency 1"])
+def test_ctrl_c_in_bench_server_writes_the_levels_that_finished(server, tmp_path, capsys, monkeypatch, stop):
+    """`bench --server` stopped by Ctrl-C: one line, and results.json / results.md hold the concurrency levels that
+    finished (marked interrupted); stopped before any finished, it says that nothing was written."""
+    from specgraft.cli import main
+    from specgraft.tools import bench_server as module
+
+    if stop.startswith("sigint") and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's KeyboardInterrupt in this process")
+    # Each level runs its two modes once: the third pass is concurrency 3's first.
+    at = 1 if stop.endswith("concurrency 1") else 3
+    interrupt = sigint_at_call if stop.startswith("sigint") else ctrl_c_at_call
+    monkeypatch.setattr(module, "run_level", interrupt(at, module.run_level))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nTom had a red ball.\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "--server", server.url, "--concurrency", "1,3", "--prompts", str(prompts),
+                 "--max-new-tokens", "4", "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    if at == 1:
+        assert captured.err.splitlines()[-1] == (
+            "specgraft bench: interrupted before any concurrency level finished; nothing written")
+        assert not out.exists()
+        return
+    assert captured.err.splitlines()[-1] == (
+        f"specgraft bench: interrupted after concurrency levels [1] of [1, 3]; the concurrency levels that finished "
+        f"are in {out / 'results.json'} (and results.md)")
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["interrupted"] is True
+    assert (results["settings"]["concurrency"], results["settings"]["concurrency_given"]) == ([1], [1, 3])
+    assert [(r["concurrency"], r["speculative"]) for r in results["levels"]] == [(1, "off"), (1, "on")]
+    assert results["greedy_identical"] is True and results["mismatches"] == []
+    assert "Interrupted (Ctrl-C): concurrency levels [1] of [1, 3] finished." in (out / "results.md").read_text()
+    assert all((out / name).is_file() for name in module.SERVER_PLOTS)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # the server serves on
 
 
 def test_bench_server_refuses_offline_flags_and_bad_levels(tmp_path):

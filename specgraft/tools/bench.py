@@ -57,6 +57,7 @@ from specgraft.tools.bench_runners import (
 )
 from specgraft.tools.prompts import BenchPrompt, encode_prompt, read_prompt_file
 from specgraft.tools.step_counts import count_decoding
+from specgraft.tools.sweep import SweepInterrupted, nothing_written
 from specgraft.tree import Adaptive, Chain, TreePolicy, parse_tree_spec
 
 if TYPE_CHECKING:
@@ -466,7 +467,7 @@ def parse_batch_sizes(spec: str) -> list[int]:
 
 def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int], threads_why: str) -> int:
     """``bench --batch-size``: each method over the prompts B at a time; writes JSON, markdown and a plot."""
-    from specgraft.tools.bench_batch import BatchSweepInterrupted, batch_markdown, run_batch_sweep, write_batch_plot
+    from specgraft.tools.bench_batch import SWEEP_NOUN, batch_markdown, run_batch_sweep, write_batch_plot
 
     if args.temperature:
         raise ValueError("--batch-size runs greedy (its outputs are checked against plain decoding); drop --temperature")
@@ -480,10 +481,10 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
                 target, [("plain", None, None), *engine_methods], encoded, batch_sizes, args.max_new_tokens,
                 rounds=args.rounds, engines=engines,
             )
-        except BatchSweepInterrupted as stop:  # the batch sizes that finished are written below
+        except SweepInterrupted as stop:  # the batch sizes that finished are written below
             results, stopped = stop.results, stop
         except KeyboardInterrupt:
-            print("specgraft bench: interrupted before any batch size finished; nothing written", file=sys.stderr)
+            print(nothing_written(SWEEP_NOUN), file=sys.stderr)
             return 130
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
                                small_rows=target.small_rows.to_dict())
@@ -496,8 +497,7 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
     (out / "results.md").write_text(batch_markdown(results))
     write_batch_plot(results, out)
     if stopped is not None:
-        print(f"specgraft bench: {stopped}; the batch sizes that finished are in {out / 'results.json'} (and results.md)",
-              file=sys.stderr)
+        print(stopped.where(out), file=sys.stderr)
         return 130
     print(json.dumps(results, indent=2) if args.json else batch_markdown(results))
     if not results["greedy_identical"]:

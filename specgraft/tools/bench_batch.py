@@ -35,9 +35,11 @@ from specgraft.model import Target
 from specgraft.progress import progress_bar
 from specgraft.tools.bench_report import counted
 from specgraft.tools.step_counts import count_decoding
+from specgraft.tools.sweep import Sweep, interrupted_note
 from specgraft.tree import Adaptive, TreePolicy
 
 PLOT = "throughput_vs_batch_size.png"
+SWEEP_NOUN = "batch size"  # how the Ctrl-C lines and the report name one value of the sweep
 
 
 def run_batch_sweep(
@@ -59,6 +61,7 @@ def run_batch_sweep(
     Raises:
         ValueError: a batch size larger than the number of prompts, a method other than plain decoding
             first (it is the reference every output is checked against), or fewer than one round.
+        SweepInterrupted: Ctrl-C after a batch size finished; its ``results`` hold the sizes that finished.
     """
     if not methods or methods[0][1] is not None:
         raise ValueError("the first method must be plain decoding (drafter None): it is the reference")
@@ -71,37 +74,25 @@ def run_batch_sweep(
     external = {name for name, _ in engines}
     for _, gen in gens:  # warm-up: one short batch each
         gen.generate_batch(list(prompts[:2]), max_new_tokens=8, eos_token_id=())
-    rows, mismatches, done = [], [], []
+    rows, mismatches = [], []
     settings = {"target": target.name, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                 "batch_sizes": list(batch_sizes), "rounds": rounds, "decoding": "greedy",
                 "order": "interleaved per group of B prompts; the method order rotates by one each group"}
-    try:
-        for b in batch_sizes:
-            rows += _batch_size(b, gens, external, engines, prompts, max_new_tokens, rounds, progress, mismatches)
-            done.append(b)
-    except KeyboardInterrupt:
-        if not done:
-            raise
-        settings.update(interrupted=True, batch_sizes=done, batch_sizes_given=list(batch_sizes))
-        raise BatchSweepInterrupted(_results(settings, rows, rounds, methods, mismatches)) from None
+    sweep = Sweep("batch_sizes", SWEEP_NOUN, list(batch_sizes))
+    with sweep.keep_finished(lambda: _results(settings, rows, rounds, methods, mismatches)):
+        for b in batch_sizes:  # a size's rows and differing outputs are kept together, once it finished
+            size_rows, size_mismatches = _batch_size(b, gens, external, engines, prompts, max_new_tokens, rounds, progress)
+            rows += size_rows
+            mismatches += size_mismatches
+            sweep.done.append(b)
     return _results(settings, rows, rounds, methods, mismatches)
 
 
-class BatchSweepInterrupted(KeyboardInterrupt):
-    """Ctrl-C during `run_batch_sweep` after at least one batch size finished: ``results`` holds those sizes
-    (``settings.interrupted``)."""
-
-    def __init__(self, results: dict[str, Any]) -> None:
-        settings = results["settings"]
-        super().__init__(f"interrupted after batch sizes {settings['batch_sizes']} of {settings['batch_sizes_given']}")
-        self.results = results
-
-
 def _batch_size(b: int, gens: list, external: set, engines: Sequence, prompts: Sequence[list[int]], max_new_tokens: int,
-                rounds: int, progress: bool, mismatches: list[dict]) -> list[dict[str, Any]]:
-    """One batch size's rows: every method over the prompts B at a time, ``rounds`` times, then counted (outputs that
-    differ from plain decoding's go to ``mismatches``)."""
-    rows = []
+                rounds: int, progress: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One batch size's rows (every method over the prompts B at a time, ``rounds`` times, then counted) and the
+    outputs that differ from plain decoding's."""
+    rows, mismatches = [], []
     groups = [list(prompts[i : i + b]) for i in range(0, len(prompts) - b + 1, b)] * rounds
     for _, gen in gens:  # each method's memory for this size, allocated before any timing (see `reserve`)
         gen.reserve(b, max(len(p) for p in prompts) + max_new_tokens)
@@ -123,7 +114,7 @@ def _batch_size(b: int, gens: list, external: set, engines: Sequence, prompts: S
                      "speedup_by_round": by_round(method_runs, reference, rounds),
                      "kernels_per_step": counts and counts.kernels_per_step,
                      "syncs_per_step": counts and counts.syncs_per_step})
-    return rows
+    return rows, mismatches
 
 
 def _results(settings: dict, rows: list[dict], rounds: int, methods: Sequence, mismatches: list[dict]) -> dict[str, Any]:
@@ -268,8 +259,7 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
         f"{settings.get('rounds', 1)} round(s). Greedy outputs identical "
         "to plain decoding: " + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])})."),
         "",
-        *([f"Interrupted (Ctrl-C): batch sizes {sizes} of {settings['batch_sizes_given']} finished.", ""]
-          if settings.get("interrupted") else []),
+        *interrupted_note(settings, "batch_sizes", SWEEP_NOUN),
         "Total tokens/s (tau in brackets):",
         "",
         "| method | " + " | ".join(f"B={b}" for b in sizes) + " |",

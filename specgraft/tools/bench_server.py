@@ -31,7 +31,8 @@ vLLM server's tokens per verification step come from its ``/metrics`` counters.
 Greedy outputs with speculation on (and every vLLM server's) must equal those with it off, token for token
 (lossless; token ids, as engines render a lone byte token's text differently); a difference is listed and
 makes the command return 1. Writes
-``results.json``, ``results.md`` and two plots into ``--out``.
+``results.json``, ``results.md`` and two plots into ``--out``; after a Ctrl-C, those of the levels that finished,
+marked interrupted (see `specgraft.tools.sweep`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from specgraft.infer import percentile, quartiles
 from specgraft.tools.prompts import read_prompt_file
+from specgraft.tools.sweep import Sweep, SweepInterrupted, interrupted_note, nothing_written
 
 if TYPE_CHECKING:
     import argparse
 
 REQUEST_TIMEOUT_S = 600.0
 SERVER_PLOTS = ("server_tokens_per_s.png", "server_latency.png")
+SWEEP_NOUN = "concurrency level"  # how the Ctrl-C lines and the report name one value of the sweep
 
 
 @dataclass
@@ -182,84 +185,132 @@ def summarize(timings: Sequence[RequestTiming], wall_s: float, drafts: float = 0
     }
 
 
-async def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], *, max_tokens: int, drafter: str,
-                       api_key: str = "none", rounds: int = 1, progress: bool = False,
-                       vllm_servers: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+@dataclass
+class ServerRun:
+    """What `bench_server` has measured: the levels that finished, each added whole (its rows, its comparisons with
+    vLLM, its outputs that differ) once its last pass ends, so a Ctrl-C leaves no half-measured level behind."""
+
+    settings: dict[str, Any]
+    sweep: Sweep
+    levels: list[dict[str, Any]] = field(default_factory=list)
+    against: list[dict[str, Any]] = field(default_factory=list)
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+    def finished(self, level: int, rows: list[dict], against: list[dict], mismatches: list[dict]) -> None:
+        self.levels += rows
+        self.against += against
+        self.mismatches += mismatches
+        self.sweep.done.append(level)
+
+    def results(self) -> dict[str, Any]:
+        """The results dict written by `write_server_results`, over the levels that finished."""
+        return {"settings": self.settings, "levels": self.levels, "against_vllm": self.against,
+                "greedy_identical": not self.mismatches, "mismatches": self.mismatches}
+
+
+def bench_server(url: str, prompts: Sequence[str], levels: Sequence[int], *, max_tokens: int, drafter: str,
+                 api_key: str = "none", rounds: int = 1, progress: bool = False,
+                 vllm_servers: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
     """Every level with speculation on and off, ``rounds`` times each (the order rotating from pass to pass); the
     results dict written by `write_server_results`. ``vllm_servers``: (label, URL) of running ``vllm serve``
-    instances, each a mode of its own (``vllm LABEL``) in the same rotation, checked against the same outputs."""
-    import openai
+    instances, each a mode of its own (``vllm LABEL``) in the same rotation, checked against the same outputs.
 
+    Raises:
+        ValueError: fewer than one round.
+        SweepInterrupted: Ctrl-C after a level finished; its ``results`` hold the levels that finished.
+    """
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    run = ServerRun(
+        settings={"server": url, "model": None, "drafter": drafter, "prompts": len(prompts), "max_tokens": max_tokens,
+                  "concurrency": list(levels), "rounds": rounds, "decoding": "greedy, streamed",
+                  "vllm_servers": dict(vllm_servers),
+                  "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
+                  "request_tokens_per_s": "median over requests of completion tokens / request wall time",
+                  "total_tokens_per_s": "completion tokens of the level / level wall time",
+                  "paired_vs_off": "off's wall time over on's, round by round: median and quartiles",
+                  "against_vllm": "specgraft's pooled total tokens/s over vLLM's; paired: vLLM's wall time over "
+                                  "specgraft's, round by round"},
+        sweep=Sweep("concurrency", SWEEP_NOUN, list(levels)),
+    )
+    # A Ctrl-C reaches the coroutine as a cancellation (asyncio.run's SIGINT handler), and comes out of asyncio.run
+    # as KeyboardInterrupt: the levels that finished are kept here, outside the event loop.
+    with run.sweep.keep_finished(run.results):
+        asyncio.run(_run_levels(run, url, prompts, levels, max_tokens, drafter, api_key, rounds, progress, vllm_servers))
+    return run.results()
+
+
+async def _run_levels(run: ServerRun, url: str, prompts: Sequence[str], levels: Sequence[int], max_tokens: int,
+                      drafter: str, api_key: str, rounds: int, progress: bool,
+                      vllm_servers: Sequence[tuple[str, str]]) -> None:
+    """`bench_server`'s passes, each level added to ``run`` as it finishes."""
+    import openai
 
     def client(base: str, key: str):
         return openai.AsyncOpenAI(base_url=f"{base.rstrip('/')}/v1", api_key=key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
 
     ours = client(url, api_key)
-    model = (await ours.models.list()).data[0].id
-    modes = [Mode("off", ours, model, {"speculative": {"drafter": "none"}}),
-             Mode("on", ours, model, {"speculative": {"drafter": drafter}})]
-    for label, server in vllm_servers:
-        theirs = client(server, "none")
-        modes.append(Mode(f"vllm {label}", theirs, (await theirs.models.list()).data[0].id, {}, engine="vllm",
-                          metrics_url=f"{server.rstrip('/')}/metrics"))
-    for mode in modes:  # warm-up: one untimed request each
-        await one_request(mode, prompts[0], max_tokens)
-    rows, mismatches, passes, against = [], [], 0, []
-    for level in levels:
-        pooled = {m.label: Pooled() for m in modes}
-        for _ in range(rounds):
-            outputs: dict[str, list[list[int]]] = {}  # token ids: engines detokenize a lone byte token differently
-            shift = passes % len(modes)
-            for mode in modes[shift:] + modes[:shift]:
-                before = await _vllm_counters(mode)
-                timings, wall = await run_level(mode, prompts, level, max_tokens)
-                drafts = (await _vllm_counters(mode)).get("drafts", 0.0) - before.get("drafts", 0.0)
-                outputs[mode.label] = [t.token_ids for t in timings]
-                cell = pooled[mode.label]
-                cell.timings += timings
-                cell.wall_s += wall
-                cell.drafts += drafts
-                cell.walls.append(wall)
-                if progress:
-                    r = summarize(timings, wall)
-                    print(f"concurrency {level:3d} {mode.label:>12s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
-                          f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
-            passes += 1
-            mismatches += [{"concurrency": level, "prompt": n, "mode": label}
-                           for label, got in outputs.items() if label != "off"
-                           for n, (a, b) in enumerate(zip(got, outputs["off"])) if a != b]
-        level_rows = [{"concurrency": level, "speculative": m.label, "engine": m.engine, "rounds": rounds,
-                       **summarize(pooled[m.label].timings, pooled[m.label].wall_s, pooled[m.label].drafts)}
-                      for m in modes]
-        walls = {label: cell.walls for label, cell in pooled.items()}
-        level_rows[1].update(quartiles([off / w for off, w in zip(walls["off"], walls["on"]) if w > 0], "paired_vs_off"))
-        for ours_row in level_rows[:2]:
-            for theirs_row in level_rows[2:]:
-                pairs = zip(walls[theirs_row["speculative"]], walls[ours_row["speculative"]])
-                against.append({
-                    "concurrency": level, "specgraft": ours_row["speculative"], "vllm": theirs_row["speculative"],
-                    "ratio": ours_row["total_tokens_per_s"] / max(theirs_row["total_tokens_per_s"], 1e-9),
-                    **quartiles([t / w for t, w in pairs if w > 0], "paired")})
-        rows += level_rows
-    for mode in {id(m.client): m for m in modes}.values():
-        await mode.client.close()
-    return {
-        "settings": {"server": url, "model": model, "drafter": drafter, "prompts": len(prompts), "max_tokens": max_tokens,
-                     "concurrency": list(levels), "rounds": rounds, "decoding": "greedy, streamed",
-                     "vllm_servers": dict(vllm_servers),
-                     "ttft": "request sent -> first chunk with tokens", "itl": "chunk gap / tokens in the chunk",
-                     "request_tokens_per_s": "median over requests of completion tokens / request wall time",
-                     "total_tokens_per_s": "completion tokens of the level / level wall time",
-                     "paired_vs_off": "off's wall time over on's, round by round: median and quartiles",
-                     "against_vllm": "specgraft's pooled total tokens/s over vLLM's; paired: vLLM's wall time over "
-                                     "specgraft's, round by round"},
-        "levels": rows,
-        "against_vllm": against,
-        "greedy_identical": not mismatches,
-        "mismatches": mismatches,
-    }
+    clients = [ours]
+    try:
+        model = run.settings["model"] = (await ours.models.list()).data[0].id
+        modes = [Mode("off", ours, model, {"speculative": {"drafter": "none"}}),
+                 Mode("on", ours, model, {"speculative": {"drafter": drafter}})]
+        for label, server in vllm_servers:
+            clients.append(theirs := client(server, "none"))
+            modes.append(Mode(f"vllm {label}", theirs, (await theirs.models.list()).data[0].id, {}, engine="vllm",
+                              metrics_url=f"{server.rstrip('/')}/metrics"))
+        for mode in modes:  # warm-up: one untimed request each
+            await one_request(mode, prompts[0], max_tokens)
+        passes = 0
+        for level in levels:
+            rows, against, mismatches = await _level(modes, prompts, level, max_tokens, rounds, passes, progress)
+            passes += rounds
+            run.finished(level, rows, against, mismatches)
+    finally:
+        for each in clients:
+            await each.close()
+
+
+async def _level(modes: Sequence[Mode], prompts: Sequence[str], level: int, max_tokens: int, rounds: int, passes: int,
+                 progress: bool) -> tuple[list[dict], list[dict], list[dict]]:
+    """One level's ``rounds`` of passes, each mode once a round (the order rotating from the ``passes`` before):
+    its rows, its comparisons with vLLM and the outputs that differ from speculation off's."""
+    pooled = {m.label: Pooled() for m in modes}
+    mismatches, against = [], []
+    for _ in range(rounds):
+        outputs: dict[str, list[list[int]]] = {}  # token ids: engines detokenize a lone byte token differently
+        shift = passes % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            before = await _vllm_counters(mode)
+            timings, wall = await run_level(mode, prompts, level, max_tokens)
+            drafts = (await _vllm_counters(mode)).get("drafts", 0.0) - before.get("drafts", 0.0)
+            outputs[mode.label] = [t.token_ids for t in timings]
+            cell = pooled[mode.label]
+            cell.timings += timings
+            cell.wall_s += wall
+            cell.drafts += drafts
+            cell.walls.append(wall)
+            if progress:
+                r = summarize(timings, wall)
+                print(f"concurrency {level:3d} {mode.label:>12s}: {r['total_tokens_per_s']:.1f} tokens/s total, "
+                      f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms", file=sys.stderr)
+        passes += 1
+        mismatches += [{"concurrency": level, "prompt": n, "mode": label}
+                       for label, got in outputs.items() if label != "off"
+                       for n, (a, b) in enumerate(zip(got, outputs["off"])) if a != b]
+    rows = [{"concurrency": level, "speculative": m.label, "engine": m.engine, "rounds": rounds,
+             **summarize(pooled[m.label].timings, pooled[m.label].wall_s, pooled[m.label].drafts)}
+            for m in modes]
+    walls = {label: cell.walls for label, cell in pooled.items()}
+    rows[1].update(quartiles([off / w for off, w in zip(walls["off"], walls["on"]) if w > 0], "paired_vs_off"))
+    for ours_row in rows[:2]:
+        for theirs_row in rows[2:]:
+            pairs = zip(walls[theirs_row["speculative"]], walls[ours_row["speculative"]])
+            against.append({
+                "concurrency": level, "specgraft": ours_row["speculative"], "vllm": theirs_row["speculative"],
+                "ratio": ours_row["total_tokens_per_s"] / max(theirs_row["total_tokens_per_s"], 1e-9),
+                **quartiles([t / w for t, w in pairs if w > 0], "paired")})
+    return rows, against, mismatches
 
 
 def server_markdown(results: Mapping[str, Any]) -> str:
@@ -273,6 +324,7 @@ def server_markdown(results: Mapping[str, Any]) -> str:
         + ". Outputs identical in every mode: "
         + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])} differ)."),
         "",
+        *interrupted_note(s, "concurrency", SWEEP_NOUN),
         "| concurrency | speculative | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | req tok/s | total tok/s | tok/call |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -343,20 +395,31 @@ def parse_vllm_server(spec: str) -> tuple[str, str]:
 
 
 def server_bench_main(args: argparse.Namespace) -> int:
-    """``specgraft bench --server``: 0, or 1 when speculation changed some greedy output."""
+    """``specgraft bench --server``: 0, 1 when speculation changed some greedy output, 130 after a Ctrl-C (the levels
+    that finished written, or nothing before one did)."""
     levels = parse_concurrency(args.concurrency)
     for spec in args.vllm_server:
         parse_vllm_server(spec)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = [p.text for p in read_prompt_file(args.prompts, args.limit, args.per_category)]
-    results = asyncio.run(bench_server(
-        args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
-        api_key=args.api_key or "none", rounds=args.rounds, progress=True,
-        vllm_servers=[parse_vllm_server(spec) for spec in args.vllm_server],
-    ))
+    stopped = None
+    try:
+        results = bench_server(
+            args.server, prompts, levels, max_tokens=args.max_new_tokens, drafter=args.server_drafter,
+            api_key=args.api_key or "none", rounds=args.rounds, progress=True,
+            vllm_servers=[parse_vllm_server(spec) for spec in args.vllm_server],
+        )
+    except SweepInterrupted as stop:  # the levels that finished are written below
+        results, stopped = stop.results, stop
+    except KeyboardInterrupt:
+        print(nothing_written(SWEEP_NOUN), file=sys.stderr)
+        return 130
     results["settings"]["prompts_file"] = str(args.prompts)
     write_server_results(results, args.out)
+    if stopped is not None:
+        print(stopped.where(args.out), file=sys.stderr)
+        return 130
     print(json.dumps(results, indent=2) if args.json else server_markdown(results))
     print(f"wrote results.json, results.md and {len(SERVER_PLOTS)} plots to {args.out}", file=sys.stderr)
     if not results["greedy_identical"]:
