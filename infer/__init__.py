@@ -5,7 +5,7 @@ The HTTP server over it is `specgraft.infer.serve`, which this package never imp
 from specgraft.infer.adaptive import GoodputController, TreeChoice, interpolate, size_tree
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.generator import SpeculativeGenerator, StreamChunk, per_prompt_options
-from specgraft.infer.observer import Committed, Drafted, RowCommit, StepObserver, Stepped, Verified
+from specgraft.infer.observer import Admitted, Committed, Drafted, Left, RowCommit, StepObserver, Stepped, Verified
 from specgraft.infer.request import PromptIds, check_prompt
 from specgraft.infer.scheduler import NO_DRAFTER, EngineCounters, Scheduler
 from specgraft.infer.stats import GenerationStats, format_tau, percentile, quartiles
@@ -16,6 +16,7 @@ __all__ = [
     "NO_DRAFTER",
     "Acceptance",
     "AcceptRule",
+    "Admitted",
     "Committed",
     "Drafted",
     "EngineCounters",
@@ -25,6 +26,7 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "GoodputController",
+    "Left",
     "PromptIds",
     "RowCommit",
     "Scheduler",

@@ -15,6 +15,10 @@ three before are then not told). Admitting a row (its prefill) and finished rows
 Observers read; they never change the rows or trees they are shown, which the step goes on with. An observer that
 raises stops the step, as a bug in the step would. The records are built only while an observer is attached: a
 scheduler nobody observes pays for none of this.
+
+An observer that names target ``layers`` (a traffic recorder) is also told, outside the steps, of each row that
+is `admitted` (its prompt's states) and that `left`; every forward then computes those layers, and each row's
+`RowCommit` carries the states at the tokens it kept. Rows submitted with ``record=False`` carry none.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
+    import torch
+
     from specgraft.infer.request import Request
     from specgraft.tree import Tree
 
@@ -57,6 +63,10 @@ class RowCommit:
     draft_tokens: int  # draft nodes it verified (its tree less the root)
     accepted: int  # of them, those accepted: the tokens it committed less the target's own
     kept: int  # tokens it emitted, after its stop rule's cut (what its `Tokens` event carries)
+    # Where observers name layers and the row records: the tokens the forward ran that it kept (its root, then the
+    # accepted drafts: its cache's new positions), and their states, layer -> (n, H); else None
+    tokens: torch.Tensor | None = None
+    states: Mapping[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +87,34 @@ class Stepped:
     seconds: float  # the whole advance, from the step's bookkeeping before drafting to after the last commit
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A row joined the batch: its prompt ran (told only where observers name layers)."""
+
+    request: Request
+    states: Mapping[int, torch.Tensor] | None  # layer -> (S, H) at the prompt's tokens; None: the row does not record
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """A row left the batch (told only where observers name layers)."""
+
+    handle: int
+    finished: bool  # its stop rule ended it (False: cancelled, or its own work failed)
+
+
 class StepObserver:
     """What a `Scheduler` tells about each step (see the module's docstring); every method is a no-op here, so an
-    observer overrides only what it reads. Attach one with `Scheduler.add_observer`."""
+    observer overrides only what it reads. Attach one with `Scheduler.add_observer`.
+
+    ``layers``: HF hidden-state indices whose states the observer reads at every token a row keeps (empty: none, and
+    it is told neither `admitted` nor `left`)."""
+
+    layers: tuple[int, ...] = ()
+
+    def admitted(self, row: Admitted) -> None: ...
+
+    def left(self, row: Left) -> None: ...
 
     def drafted(self, step: Drafted) -> None: ...
 
@@ -96,14 +131,20 @@ class StepObservers(StepObserver):
 
     def __init__(self) -> None:
         self._all: list[StepObserver] = []
+        self.layers: tuple[int, ...] = ()  # every observer's layers, ascending (empty: none reads states)
 
     def add(self, observer: StepObserver) -> None:
         if not isinstance(observer, StepObserver):
             raise TypeError(f"a step observer subclasses StepObserver, got {type(observer).__name__}")
         self._all.append(observer)
+        self._gather_layers()
 
     def remove(self, observer: StepObserver) -> None:
         self._all.remove(observer)
+        self._gather_layers()
+
+    def _gather_layers(self) -> None:
+        self.layers = tuple(sorted({i for observer in self._all for i in observer.layers}))
 
     def __bool__(self) -> bool:
         return bool(self._all)
@@ -113,6 +154,16 @@ class StepObservers(StepObserver):
 
     def __len__(self) -> int:
         return len(self._all)
+
+    def admitted(self, row: Admitted) -> None:
+        for observer in self._all:
+            if observer.layers:
+                observer.admitted(row)
+
+    def left(self, row: Left) -> None:
+        for observer in self._all:
+            if observer.layers:
+                observer.left(row)
 
     def drafted(self, step: Drafted) -> None:
         for observer in self._all:

@@ -68,6 +68,7 @@ class Request:
     deferred: list[int] = field(default_factory=list)
     deferred_roots: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    record: bool = True  # observers that read states (a traffic recorder) may keep its tokens and states
     released: int = 0  # characters of ``text`` already sent in events
 
     hidden_layers: tuple[int, ...] = field(init=False)  # the target states its drafter reads
@@ -100,6 +101,7 @@ def new_request(
     stop: str | Sequence[str] | None = None,
     repetition_penalty: float = 1.0,
     presence_penalty: float = 0.0,
+    record: bool = True,
 ) -> Request:
     """Check a generation's prompt and options once; its `Request`, nothing run yet.
 
@@ -118,6 +120,7 @@ def new_request(
         stop: strings that end the output once generated text contains one.
         repetition_penalty, presence_penalty: refused unless neutral (they need
             a different p for every draft path).
+        record: False keeps its tokens and states from observers that record traffic (see `StepObserver.layers`).
 
     Raises:
         ValueError: naming the bad option or the sizes that do not fit.
@@ -153,6 +156,7 @@ def new_request(
         handle=handle, prompt_ids=prompt_ids, drafter_name=drafter_name, drafter=drafter, tree=tree, sampling=sampling,
         acceptance=acceptance, rule=StopRule(max_new_tokens, eos, stops, detokenizer),
         recorder=StatsRecorder(lossless=is_lossless(acceptance)), text=detokenizer, text_context=context,
+        record=bool(record),
     )
 
 

@@ -55,7 +55,9 @@ from specgraft.infer.adaptive.clock import DeviceClock, Mark
 from specgraft.infer.detokenize import continuation_text
 from specgraft.infer.events import Event, Failed, Finished, GenerationOutput, Tokens
 from specgraft.infer.held import HeldStates
-from specgraft.infer.observer import Committed, Drafted, RowCommit, StepObserver, StepObservers, Stepped, Verified
+from specgraft.infer.observer import (
+    Admitted, Committed, Drafted, Left, RowCommit, StepObserver, StepObservers, Stepped, Verified,
+)
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
     Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
@@ -306,9 +308,16 @@ class Scheduler:
         """Tell ``observer`` what each step does from the next step on: its `drafted`, `verified`, `committed` and
         `stepped` (see `specgraft.infer.observer`).
 
+        An observer naming ``layers`` is also told of every row admitted and leaving from then on, with the states
+        of those layers at each token a row keeps.
+
         Raises:
             TypeError: an object that does not subclass `StepObserver`.
+            ValueError: a layer outside the target's hidden states (0 the embeddings .. num_layers the final norm's).
         """
+        bad = [i for i in getattr(observer, "layers", ()) if not 0 <= i <= self.target.num_layers]
+        if bad:
+            raise ValueError(f"observer layers {bad}: {self.target.name!r} has hidden states 0..{self.target.num_layers}")
         self.observers.add(observer)
 
     def remove_observer(self, observer: StepObserver) -> None:
@@ -433,7 +442,12 @@ class Scheduler:
             request.cache = self.target.new_cache()
         ids = request.prompt_ids[None]  # (1, S)
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        out = self.target.forward(ids, request.cache, positions, hidden_layers=request.hidden_layers, last_only=True)
+        recorded = self.observers.layers if request.record else ()
+        layers = tuple(sorted({*request.hidden_layers, *recorded}))
+        out = self.target.forward(ids, request.cache, positions, hidden_layers=layers, last_only=True)
+        if self.observers.layers:
+            states = _copied({i: out.hidden[i][0] for i in recorded}) if recorded else None
+            self.observers.admitted(Admitted(request, states))
         if request.drafter is not None:
             hidden = {i: h[0] for i, h in out.hidden.items()}
             draft_pool = self.draft_pools.get(request.drafter_name)
@@ -645,8 +659,9 @@ class Scheduler:
 
                 def forward(request=request, tree=tree, prefix=prefix):
                     mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
+                    layers = tuple(sorted({*request.hidden_layers, *self.observers.layers}))
                     out = self.target.forward(tree.tokens[None], request.cache, tree_position_ids(tree, prefix), mask,
-                                              hidden_layers=request.hidden_layers)
+                                              hidden_layers=layers)
                     return RowForward(out.logits[0], out.hidden, 0)  # (1, N, H) each
 
                 self.counters.verify_forwards += 1
@@ -664,7 +679,7 @@ class Scheduler:
             segments.append(Segment(request.row, tree.num_nodes, None if tree.is_chain else tree.ancestor_mask()))
             tokens.append(tree.tokens)
             positions.append(prefix + tree.depth)
-        layers = tuple(sorted({i for r in live for i in r.hidden_layers}))
+        layers = tuple(sorted({i for r in live for i in r.hidden_layers} | set(self.observers.layers)))
         self.counters.verify_forwards += 1
         start = self._clock.mark()
         packed = torch.cat(tokens)
@@ -791,6 +806,10 @@ class Scheduler:
         self._emit(request, kept, events)
         if not self.observers:
             return None
+        if self.observers.layers and request.record:
+            states = _copied(_row_states(forward.hidden, self.observers.layers, forward.start, tree.num_nodes),
+                             None if whole else path)
+            return RowCommit(request.handle, tree.num_draft_tokens, len(committed) - 1, len(kept), tokens, states)
         return RowCommit(request.handle, tree.num_draft_tokens, len(committed) - 1, len(kept))
 
     def _give_deferred(self, request: Request) -> bool:
@@ -840,16 +859,17 @@ class Scheduler:
         """Every generation its stop rule ended leaves, with its whole output."""
         for request in list(self.running.values()):
             if request.rule.done:
-                self._leave(request)
+                self._leave(request, finished=True)
                 output = GenerationOutput(
                     request.token_ids, continuation_text(self.target.decode, request.text_context, request.token_ids),
                     request.recorder.finish(),
                 )
                 events.append(Finished(request.handle, output))
 
-    def _leave(self, request: Request) -> None:
-        """Take a generation out of the running batch and free its rows."""
-        self.running.pop(request.handle, None)
+    def _leave(self, request: Request, finished: bool = False) -> None:
+        """Take a generation out of the running batch and free its rows. ``finished``: its stop rule ended it."""
+        if self.running.pop(request.handle, None) is not None and self.observers.layers:
+            self.observers.left(Left(request.handle, finished))
         self._changes += 1
         if request.deferred:  # what it kept is given to no one
             self._held.release()
@@ -899,6 +919,15 @@ def _choose_one(sampling: Sampling, logits: torch.Tensor) -> torch.Tensor:
     if sampling.greedy:
         return sampling.ban(logits).argmax(-1, keepdim=True)
     return sampling.draw(sampling.probs(logits))
+
+
+def _copied(states: dict[int, torch.Tensor], path: torch.Tensor | slice | None = None) -> dict[int, torch.Tensor]:
+    """States an observer keeps past the step (at ``path``'s positions, or all): every layer's copied out of the
+    forward's buffers into one tensor, so that holding them holds no forward."""
+    joined = torch.stack(list(states.values()))  # (L, n, H)
+    if path is not None:
+        joined = joined[:, path]
+    return dict(zip(states, joined.unbind(0)))
 
 
 def _row_states(hidden: dict[int, torch.Tensor], layers: tuple[int, ...], start: int, n: int) -> dict[int, torch.Tensor]:

@@ -10,8 +10,8 @@ An arrow is "may import". The rooms, from the bottom up:
     specgraft.config                      heads (their typed configs), specs
     specgraft.infer                       heads, tree, model, specs, threads (its `serve` package, the HTTP layer,
                                           is imported only by the cli, and alone imports the HTTP stack)
-    specgraft.train                       heads, model, config, tree, specs, progress (and infer for evaluation and
-                                          regeneration only)
+    specgraft.train                       heads, model, config, tree, specs, progress (and infer for evaluation,
+                                          regeneration and recording served traffic only)
     specgraft.tools                       the public API: `specgraft` and its rooms' packages, never their modules
     specgraft.cli                         everything; nothing imports it but a ``__main__`` entry point
 
@@ -49,7 +49,7 @@ ALLOWED = {
     "specgraft": set(ROOMS[:-2]),
 }
 # Simulated tau runs the engine on held-out prompts; regeneration runs the target through its scheduler.
-TRAIN_MAY_USE_INFER = ("specgraft.train.evaluate", "specgraft.train.regeneration")
+TRAIN_MAY_USE_INFER = ("specgraft.train.evaluate", "specgraft.train.regeneration", "specgraft.train.recording")
 
 
 @dataclass(frozen=True)

@@ -417,6 +417,15 @@ def _human(size: int) -> str:
     return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
+@dataclass(frozen=True)
+class CacheFiles:
+    """Where a cache's rows lie: what it holds, its shard files in example order, and the key each shard carries."""
+
+    manifest: Manifest
+    shards: tuple[Path, ...]
+    key: str
+
+
 class FeatureCache:
     """Reads a feature cache in place of running the target: ``cache.batch(indices, batch)`` is a `TrainBatch`.
 
@@ -431,6 +440,8 @@ class FeatureCache:
         examples: the training examples, when given, must be the ones the cache was extracted for.
         logits: rebuild the target's logits (False for a head that trains on tokens alone: its batches carry
             ``target_logits=None``, and the final layer is read only if the head reads it).
+        files: the manifest and shards to read where they are not ``path``'s own (a recording of served traffic,
+            `specgraft.train.recording`).
 
     Raises:
         FileNotFoundError: no manifest, or missing shards (an interrupted extraction: rerun it, it resumes).
@@ -445,25 +456,30 @@ class FeatureCache:
         *,
         examples: Sequence[Mapping[str, Any]] | None = None,
         logits: bool = True,
+        files: CacheFiles | None = None,
     ) -> None:
         self.path = Path(path)
         self.target = target
         self.requested = tuple(hidden_layers)
         self.logits = logits
-        self.manifest = Manifest.read(self.path)
+        if files is None:
+            manifest = Manifest.read(self.path)
+            names = [SHARD_NAME.format(i) for i in range(len(manifest.shards))]
+            files = CacheFiles(manifest, tuple(self.path / name for name in names), manifest.key)
+            missing = [name for name in names if not (self.path / name).is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"the feature cache {self.path} is incomplete: {len(missing)} of {len(names)} shards "
+                    f"are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                    "rerun `specgraft extract-features CONFIG` (it resumes)"
+                )
+        self.manifest, self._files, self._key = files.manifest, files.shards, files.key
         needed = stored_layers(target, self.requested)
         fingerprint = data_fingerprint(examples) if examples is not None else None
         _refuse(self.path, self.manifest.mismatches(
             target, layers=needed, fingerprint=fingerprint, num_examples=None if examples is None else len(examples)
         ))
         self.layers = needed if logits else self.requested  # the ones read: the head's, and the final one for logits
-        missing = [SHARD_NAME.format(i) for i in range(len(self.manifest.shards)) if not (self.path / SHARD_NAME.format(i)).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"the feature cache {self.path} is incomplete: {len(missing)} of {len(self.manifest.shards)} shards "
-                f"are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
-                "rerun `specgraft extract-features CONFIG` (it resumes)"
-            )
         self._starts = [start for start, _ in self.manifest.shards]
         self._open: dict[int, tuple[Any, list[int]]] = {}  # shard -> (safe_open handle, row offsets)
 
@@ -476,10 +492,10 @@ class FeatureCache:
             raise IndexError(f"example {index} is not in the feature cache {self.path} ({self.manifest.num_examples} examples)")
         shard = bisect_right(self._starts, index) - 1
         if shard not in self._open:
-            file = self.path / SHARD_NAME.format(shard)
+            file = self._files[shard]
             handle = safe_open(str(file), framework="pt")
             meta = handle.metadata() or {}
-            if meta.get("key") != self.manifest.key:
+            if meta.get("key") != self._key:
                 raise ValueError(f"{file} belongs to another feature cache than {self.path / MANIFEST}; delete it and rerun extraction")
             offsets = [0]
             for n in json.loads(meta["lengths"]):

@@ -87,6 +87,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # vLLM's: generate max_tokens whatever the EOS token says
     return_token_ids: bool = False  # vLLM's: each choice also carries its token ids
     speculative: Speculative | None = None
+    store: bool | None = None  # OpenAI's: false keeps the request out of the server's recording (serve --record)
 
 
 class CompletionRequest(SamplingFields):
@@ -155,6 +156,7 @@ def engine_options(req: CompletionRequest | ChatCompletionRequest) -> dict[str, 
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, min_p=req.min_p,
         seed=req.seed, stop=stop_strings(req), repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, eos_token_id=() if req.ignore_eos else None,
+        record=req.store is not False,
     )
 
 

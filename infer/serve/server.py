@@ -22,7 +22,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
+from specgraft.infer.observer import StepObserver
 from specgraft.infer.serve.engine import Engine, Job, QueueFull
 from specgraft.infer.events import Failed, Finished, Tokens
 from specgraft.infer.serve.protocol import (
@@ -233,6 +234,7 @@ def create_app(
     max_batch_size: int = 16,
     max_queue: int = 256,
     api_key: str | None = None,
+    observers: Sequence[StepObserver] = (),
 ) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it (failing what is left) at shutdown.
 
@@ -241,6 +243,7 @@ def create_app(
         default_drafter: the drafter of requests without ``speculative`` (and of ``"auto"``).
         default_tree: the tree of requests that name none (default ``Adaptive()``: sized each step by expected
             goodput, so speculation does not cost throughput under load; T(N) is timed here, before serving).
+        observers: more observers of the engine's steps, beside its metrics (a traffic recorder).
     """
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:
@@ -249,6 +252,8 @@ def create_app(
     metrics = Metrics()
     engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics,
                     tree_slots=tree_headroom(drafters, default_tree))
+    for observer in observers:
+        engine.scheduler.add_observer(observer)
     state = ServerState(
         target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree,
         model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,

@@ -341,13 +341,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tree = policy_from_spec(tree_spec)  # a tree file is read here
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
+    recorder = _traffic_recorder(args.record, target, drafters) if args.record else None
     app = create_app(
         target, drafters, default_drafter=args.default_drafter, default_tree=tree,
         model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue, api_key=args.api_key,
+        max_queue=args.max_queue, api_key=args.api_key, observers=[recorder] if recorder else [],
     )
     print(app.state.specgraft.engine.describe(), file=sys.stderr)
-    return run_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+    try:
+        return run_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+    finally:
+        if recorder is not None:
+            recorder.close()
+            print(f"specgraft serve: recorded {recorder.generations_written} requests in {recorder.shards_written} "
+                  f"shards to {recorder.directory}" + (f" (recording stopped: {recorder.error})" if recorder.error else ""),
+                  file=sys.stderr)
+
+
+def _traffic_recorder(directory: str, target, drafters: dict):
+    """serve --record: a recorder of the states every loaded head reads (and the final one)."""
+    from specgraft.train.recording import TrafficRecorder
+
+    layers = sorted({i for d in drafters.values() for i in getattr(d, "hidden_layers", ())})
+    if not layers:
+        raise ValueError("--record: no loaded drafter reads the target's states, so there is nothing to learn from; "
+                         "load a head with --drafter NAME=HEAD_DIR")
+    recorder = TrafficRecorder(directory, target, layers)
+    print(f"specgraft serve: recording finished requests (their tokens and the target's states at layers "
+          f"{list(recorder.layers)}) to {recorder.directory}; a request with \"store\": false is not recorded",
+          file=sys.stderr)
+    return recorder
 
 
 # ---------------------------------------------------------------------------- quickstart

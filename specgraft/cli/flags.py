@@ -169,6 +169,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: the target's name)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests before aborting them")
+    parser.add_argument("--record", default=None, metavar="DIR",
+                        help="record each finished request's tokens and the target's states at them into DIR, as "
+                        "training data for the loaded heads (`specgraft train` with data.recorded: DIR); a request "
+                        "sent with \"store\": false is not recorded. Off by default")
     add_device_arguments(parser)
     return parser
 

@@ -1,0 +1,206 @@
+"""Recording served traffic: the tokens a scheduler generated and the target's states at them, read back as
+training data, with no change to what is generated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specgraft as sg
+from conftest import STORIES
+from specgraft.infer import Tokens
+from specgraft.train.data import collate
+from specgraft.train.recording import Recording, TrafficRecorder
+
+TREE = sg.StaticTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+
+
+def serve(target, prompts, drafters=None, *, observer=None, cancel=None, **options):
+    """Greedy outputs of ``prompts`` submitted together to one scheduler with ``options``, in prompt order
+    (``cancel``: the index of a prompt cancelled after its first step)."""
+    sched = sg.Scheduler(target, drafters or {}, max_batch_size=3, max_len=256)
+    if observer is not None:
+        sched.add_observer(observer)
+    handles = [sched.submit(p, 24, **options) for p in prompts]
+    out: dict[int, list[int]] = {h: [] for h in handles}
+    while not sched.idle:
+        for event in sched.step():
+            if isinstance(event, Tokens):
+                out[event.handle].extend(event.token_ids)
+        if cancel is not None and handles[cancel] in sched.running:
+            sched.cancel(handles[cancel])
+            cancel = None
+    return [out[h] for h in handles]
+
+
+def full_states(target, ids: list[int], layers) -> dict[int, torch.Tensor]:
+    """The target's states at every token of ``ids`` from one plain forward: layer -> (n, H)."""
+    out = target.forward(torch.tensor([ids]), target.new_cache(), torch.arange(len(ids))[None], hidden_layers=layers)
+    return {i: h[0] for i, h in out.hidden.items()}
+
+
+@pytest.mark.parametrize("tree", [None, sg.Chain(4), TREE], ids=["plain", "chain", "tree"])
+def test_recorded_generations_hold_the_tokens_run_and_the_targets_states_at_them(stories, dev_prompts,
+                                                                                  trained_eagle, tmp_path, tree):
+    eagle = sg.load_drafter(trained_eagle, stories)
+    prompts = dev_prompts[:3]
+    options = {"drafter": "none"} if tree is None else {"drafter": "eagle", "tree": tree}
+    plain = serve(stories, prompts)
+    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
+    recorded = serve(stories, prompts, {"eagle": eagle}, observer=recorder, **options)
+    recorder.close()
+    assert recorded == plain  # recording changes nothing generated
+    rec = Recording(tmp_path / "rec")
+    assert rec.info.layers == (*sorted(set(eagle.hidden_layers) - {stories.num_layers}), stories.num_layers)
+    examples = rec.examples()
+    assert sorted(len(e["input_ids"]) for e in examples) == sorted(
+        len(stories.encode(p)) + len(o) - 1 for p, o in zip(prompts, plain))
+    features = rec.features(stories, eagle.hidden_layers)
+    for prompt, output in zip(prompts, plain):
+        ids = stories.encode(prompt)
+        [index] = [k for k, e in enumerate(examples) if e["input_ids"][: len(ids)] == ids]
+        example = examples[index]
+        assert example["input_ids"] == ids + output[:-1]  # every token a forward ran; the last one none did
+        assert example["loss_mask"] == [0] * len(ids) + [1] * (len(output) - 1)
+        got = features.batch([index], collate([example], pad_token_id=0))
+        want = full_states(stories, example["input_ids"], rec.info.layers)
+        for layer in eagle.hidden_layers:
+            torch.testing.assert_close(got.hidden[layer][0], want[layer], atol=1e-4, rtol=1e-4)
+        logits = stories.model.get_output_embeddings()(want[stories.num_layers]).float()
+        torch.testing.assert_close(got.target_logits[0], logits, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_generations_draw_the_same_tokens_with_a_recorder(stories, dev_prompts, trained_eagle, tmp_path):
+    eagle = sg.load_drafter(trained_eagle, stories)
+    options = dict(drafter="eagle", tree=sg.Chain(3), temperature=0.8, seed=7)
+    alone = serve(stories, dev_prompts[:3], {"eagle": eagle}, **options)
+    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
+    recorded = serve(stories, dev_prompts[:3], {"eagle": eagle}, observer=recorder, **options)
+    recorder.close()
+    assert recorded == alone and len(Recording(tmp_path / "rec")) == 3
+
+
+def test_cancelled_and_opted_out_requests_are_not_recorded(stories, dev_prompts, trained_eagle, tmp_path):
+    eagle = sg.load_drafter(trained_eagle, stories)
+    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
+    serve(stories, dev_prompts[:3], {"eagle": eagle}, observer=recorder, cancel=1, drafter="eagle")
+    serve(stories, dev_prompts[3:5], {"eagle": eagle}, observer=recorder, drafter="eagle", record=False)
+    recorder.close()
+    examples = Recording(tmp_path / "rec").examples()
+    prompts = sorted(tuple(e["input_ids"][: e["loss_mask"].index(1)]) for e in examples)
+    assert prompts == sorted(tuple(stories.encode(p)) for p in (dev_prompts[0], dev_prompts[2]))
+
+
+def test_a_directory_recorded_for_other_layers_is_refused_and_stray_files_are_never_read(stories, tmp_path):
+    TrafficRecorder(tmp_path, stories, [2]).close()
+    with pytest.raises(ValueError, match=r"records \[2, 5\].*records \[1, 5\].*another directory"):
+        TrafficRecorder(tmp_path, stories, [1])
+    (tmp_path / ".records-abc-000000.safetensors.x1y2.tmp").write_bytes(b"half a shard")  # a killed writer's
+    assert len(Recording(tmp_path)) == 0
+    (tmp_path / "records-abc-000000.safetensors").write_bytes(b"not a shard")
+    with pytest.raises(ValueError, match="records-abc-000000.safetensors is not a readable shard"):
+        Recording(tmp_path)
+    with pytest.raises(FileNotFoundError, match="serve --record"):
+        Recording(tmp_path / "absent")
+
+
+# ---------------------------------------------------------------------------------------------- served
+
+
+def test_a_server_records_its_requests_but_those_sent_with_store_false(stories, dev_prompts, trained_eagle, tmp_path):
+    import httpx
+
+    from serve_helpers import ServerThread
+    from specgraft.infer.serve import create_app
+
+    target = sg.load_target(STORIES)
+    eagle = sg.load_drafter(trained_eagle, target)
+    recorder = TrafficRecorder(tmp_path / "rec", target, eagle.hidden_layers)
+    app = create_app(target, {"eagle": eagle}, model_name="stories", default_drafter="eagle", observers=[recorder])
+    server = ServerThread(app).start()
+    try:
+        for prompt, store in ((dev_prompts[0], None), (dev_prompts[1], False), (dev_prompts[2], True)):
+            body = {"model": "stories", "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+                    **({} if store is None else {"store": store})}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.stop()
+        recorder.close()
+    examples = Recording(tmp_path / "rec").examples()
+    assert sorted(tuple(e["input_ids"][: e["loss_mask"].index(1)]) for e in examples) == sorted(
+        tuple(target.encode(p)) for p in (dev_prompts[0], dev_prompts[2]))
+
+
+def test_sigkill_while_recording_leaves_every_shard_whole(dev_prompts, trained_eagle, tmp_path):
+    """A server recording a stream of requests, killed once it wrote a few shards: every shard on disk reads whole
+    (its tokens, lengths and every layer's rows agree), and a temporary file it was writing is never read."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+    from safetensors import safe_open
+
+    from test_serve import free_port
+
+    port, record = free_port(), tmp_path / "rec"
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1",
+         "--drafter", f"eagle={trained_eagle}", "--default-drafter", "eagle", "--record", str(record)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    stop = threading.Event()
+
+    def client(k: int) -> None:  # requests until the server dies (bounded in count and time)
+        for i in range(200):
+            if stop.is_set():
+                return
+            body = {"model": "stories260K", "prompt": dev_prompts[(k * 7 + i) % len(dev_prompts)],
+                    "max_tokens": 8 + (i * 5) % 24, "temperature": 0}
+            try:
+                httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            except httpx.HTTPError:
+                return
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
+        for thread in clients:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(list(record.glob("records-*.safetensors"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        stop.set()
+        for thread in clients:
+            thread.join(40)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    shards = sorted(record.glob("records-*.safetensors"))
+    assert len(shards) >= 3
+    rec = Recording(record)
+    for shard in rec.shards:
+        with safe_open(str(shard.file), framework="pt") as f:
+            n = sum(shard.lengths)
+            assert f.get_tensor("input_ids").shape == (n,)
+            for layer in rec.info.layers:
+                assert f.get_tensor(f"layer.{layer}").shape == (n, rec.info.hidden_size)
+        assert all(0 < p < length for p, length in zip(shard.prompt_lengths, shard.lengths))
+    examples = rec.examples()
+    assert len(examples) == sum(len(s.lengths) for s in rec.shards) >= 3
+    features = rec.features(sg.load_target(STORIES), [rec.info.layers[0]])
+    batch = features.batch([len(examples) - 1], collate([examples[-1]], pad_token_id=0))
+    assert torch.isfinite(batch.hidden[rec.info.layers[0]]).all()

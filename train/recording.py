@@ -1,0 +1,279 @@
+"""Served traffic as training data: the tokens a server generated and the target's states at them, on disk.
+
+A `TrafficRecorder` observes a running `Scheduler` (its step-observer hook, `specgraft.infer.observer`): for every
+generation that finishes it keeps the tokens the target ran (the prompt, then each token it generated but the last,
+which no forward ran) and the states its verification forwards computed at them, at the layers the loaded heads
+train on plus the final one the logits are rebuilt from. No forward is added: the states are those the serving
+forwards computed. `Recording` reads a recording directory back as training examples and a `FeatureCache`::
+
+    recording.json                   what every shard stores: layers, dtype, hidden size, the target's identity
+    records-{run}-{n:06d}.safetensors  whole generations, written by one recorder run (``run``: its start, in ns):
+                                     "input_ids" (N,), "layer.{i}" (N, H) per stored layer, the generations'
+                                     rows concatenated; their lengths and prompt lengths in the metadata
+
+Shards are written by a thread of their own, each to a temporary file renamed into place: a shard is whole or
+absent, so a server killed at any moment loses the generations not yet written (those running, and those finished
+in the last moments), never a shard. Several servers may record into one directory, each with its own ``run``.
+
+A training example is a generation's tokens, its generated ones trained on (``loss_mask`` 1), its prompt not.
+A request sent with ``record=False`` (the server's ``store: false``) is not recorded.
+
+Shape legend: N tokens of a shard, H hidden, L stored layers, S a prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from specgraft.heads.checkpoint import atomic_write
+from specgraft.infer.observer import Admitted, Committed, Left, StepObserver
+from specgraft.model import Target
+from specgraft.model.target import DTYPES
+from specgraft.train.feature_cache import (
+    TARGET_KEYS, CacheFiles, FeatureCache, Manifest, _target_identity, data_fingerprint, stored_layers,
+)
+
+INFO = "recording.json"
+FORMAT_VERSION = 1
+SHARD_PATTERN = "records-*.safetensors"
+SHARD_BYTES = 256 * 2**20  # most feature bytes a shard gathers: a writer that fell behind writes several
+
+
+@dataclass(frozen=True)
+class RecordingInfo:
+    """What every shard of a recording stores; ``recording.json`` on disk."""
+
+    layers: tuple[int, ...]  # HF hidden_states indices, ascending; the last is the final-norm state
+    dtype: str  # storage dtype, a key of DTYPES
+    hidden_size: int
+    target: dict[str, Any]  # the target's identity (`feature_cache._target_identity`)
+
+    @property
+    def key(self) -> str:
+        """Written into every shard: a shard of another recording (other layers, dtype or target) is never read."""
+        target = {key: self.target.get(key) for key in TARGET_KEYS}
+        ident = json.dumps([target, self.layers, self.dtype], sort_keys=True)
+        return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> "RecordingInfo":
+        """Raises FileNotFoundError when ``path/recording.json`` is absent, ValueError when it is unreadable."""
+        file = path / INFO
+        if not file.is_file():
+            raise FileNotFoundError(f"no recording at {path} ({INFO} is missing): record one with "
+                                    "`specgraft serve --record DIR`")
+        try:
+            raw = json.loads(file.read_text())
+            if raw.pop("format", None) != FORMAT_VERSION:
+                raise ValueError(f"format is not {FORMAT_VERSION}")
+            return cls(layers=tuple(raw["layers"]), dtype=raw["dtype"], hidden_size=int(raw["hidden_size"]),
+                       target=dict(raw["target"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{file} is not a specgraft recording ({err})") from None
+
+
+def recording_info(target: Target, hidden_layers: Sequence[int], dtype: str | None = None) -> RecordingInfo:
+    """What a recording for heads reading ``hidden_layers`` of ``target`` stores (the final layer too)."""
+    dtype = dtype or str(target.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise ValueError(f"recording dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return RecordingInfo(stored_layers(target, hidden_layers), dtype, int(target.config.hidden_size),
+                         _target_identity(target))
+
+
+@dataclass
+class _Generation:
+    """One running generation's recorded tokens and states so far, in order (device tensors until written)."""
+
+    prompt_length: int
+    tokens: list[torch.Tensor] = field(default_factory=list)  # (n,) each
+    states: list[Mapping[int, torch.Tensor]] = field(default_factory=list)  # layer -> (n, H) each
+
+
+class TrafficRecorder(StepObserver):
+    """Records every generation a scheduler finishes into ``directory`` (see the module's docstring).
+
+    Attach with ``scheduler.add_observer(recorder)``; `close` writes what finished and stops the writer.
+
+    Args:
+        directory: the recording directory (made if absent; an existing one must record the same layers, dtype and
+            target, or it is refused naming the difference).
+        target: the served target.
+        hidden_layers: the layers the heads that will learn from the traffic read (the final one is added).
+        dtype: storage dtype (None: the target's).
+
+    Raises:
+        ValueError: a directory recorded for another target, other layers or another dtype.
+    """
+
+    def __init__(self, directory: str | Path, target: Target, hidden_layers: Sequence[int], *,
+                 dtype: str | None = None) -> None:
+        self.directory = Path(directory)
+        self.info = recording_info(target, hidden_layers, dtype)
+        self.layers = self.info.layers
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if (self.directory / INFO).is_file():
+            existing = RecordingInfo.read(self.directory)
+            if existing.key != self.info.key:
+                raise ValueError(
+                    f"{self.directory} records {list(existing.layers)} in {existing.dtype} for "
+                    f"{existing.target.get('name')!r}; this server records {list(self.info.layers)} in "
+                    f"{self.info.dtype} for {self.info.target.get('name')!r}: record into another directory"
+                )
+        else:
+            atomic_write(self.directory / INFO, lambda tmp: Path(tmp).write_text(self.info.to_json()))
+        self.run = f"{time.time_ns():x}"
+        self.shards_written = 0
+        self.generations_written = 0
+        self.error: BaseException | None = None  # the writer's failure: recording stops, serving goes on
+        self._dtype = DTYPES[self.info.dtype]
+        self._running: dict[int, _Generation] = {}
+        self._finished: queue.SimpleQueue[_Generation | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="specgraft-recorder", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ the engine's thread
+
+    def admitted(self, row: Admitted) -> None:
+        if row.states is not None:
+            generation = _Generation(len(row.request.prompt_ids))
+            generation.tokens.append(row.request.prompt_ids)
+            generation.states.append(row.states)
+            self._running[row.request.handle] = generation
+
+    def committed(self, step: Committed) -> None:
+        for commit in step.rows:
+            generation = self._running.get(commit.handle)
+            if generation is not None and commit.states is not None:
+                generation.tokens.append(commit.tokens)
+                generation.states.append(commit.states)
+
+    def left(self, row: Left) -> None:
+        generation = self._running.pop(row.handle, None)
+        # (a generation that ended at its first token ran no token of its own: nothing to learn)
+        if generation is not None and row.finished and len(generation.tokens) > 1 and self.error is None:
+            self._finished.put(generation)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every finished generation and stop the writer (its thread is joined)."""
+        self._finished.put(None)
+        self._writer.join(timeout)
+
+    # ------------------------------------------------------------------ the writer's thread
+
+    def _write_loop(self) -> None:
+        done = False
+        while not done:
+            batch = [self._finished.get()]
+            size = 0
+            while batch[-1] is not None and size < SHARD_BYTES:  # whatever else finished meanwhile joins the shard
+                size += sum(t.numel() for t in batch[-1].tokens) * len(self.layers) * self.info.hidden_size
+                try:
+                    batch.append(self._finished.get_nowait())
+                except queue.Empty:
+                    break
+            done = batch[-1] is None
+            generations = [g for g in batch if g is not None]
+            if generations and self.error is None:
+                try:
+                    self._write(generations)
+                except Exception as err:  # a full disk, say: recording stops, serving goes on
+                    self.error = err
+
+    def _write(self, generations: list[_Generation]) -> None:
+        tokens = [torch.cat(g.tokens).cpu() for g in generations]
+        tensors = {"input_ids": torch.cat(tokens)}
+        for layer in self.layers:
+            tensors[f"layer.{layer}"] = torch.cat(
+                [s[layer] for g in generations for s in g.states]).to(device="cpu", dtype=self._dtype)
+        metadata = {"key": self.info.key, "lengths": json.dumps([len(t) for t in tokens]),
+                    "prompt_lengths": json.dumps([g.prompt_length for g in generations])}
+        name = f"records-{self.run}-{self.shards_written:06d}.safetensors"
+        atomic_write(self.directory / name, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        self.shards_written += 1
+        self.generations_written += len(generations)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    file: Path
+    lengths: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+
+
+class Recording:
+    """A recording directory read back: its generations as training examples, and their states as a `FeatureCache`.
+
+    Shards are read in name order (a run's in the order written); a temporary file a killed writer left is not
+    a shard, and a shard of another recording is refused.
+
+    Raises:
+        FileNotFoundError: no ``recording.json`` in ``path``.
+        ValueError: an unreadable shard, or one recorded for other layers, dtype or target.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.info = RecordingInfo.read(self.path)
+        self.shards: list[_Shard] = []
+        for file in sorted(self.path.glob(SHARD_PATTERN)):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    meta = f.metadata() or {}
+            except SafetensorError as err:
+                raise ValueError(f"{file} is not a readable shard ({err})") from None
+            if meta.get("key") != self.info.key:
+                raise ValueError(f"{file} was recorded for other layers, dtype or target than {self.path / INFO}")
+            self.shards.append(_Shard(file, tuple(json.loads(meta["lengths"])), tuple(json.loads(meta["prompt_lengths"]))))
+
+    def __len__(self) -> int:
+        return sum(len(shard.lengths) for shard in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sum(shard.lengths) for shard in self.shards)
+
+    def examples(self) -> list[dict[str, list[int]]]:
+        """Every generation as a training example, in recorded order: ``input_ids``, and ``loss_mask`` 1 at the
+        tokens it generated (not at its prompt's)."""
+        out = []
+        for shard in self.shards:
+            with safe_open(str(shard.file), framework="pt") as f:
+                ids = f.get_tensor("input_ids").tolist()
+            at = 0
+            for n, prompt in zip(shard.lengths, shard.prompt_lengths):
+                out.append({"input_ids": ids[at : at + n], "loss_mask": [0] * prompt + [1] * (n - prompt)})
+                at += n
+        return out
+
+    def features(self, target: Target, hidden_layers: Sequence[int], *, logits: bool = True) -> FeatureCache:
+        """The recorded states as a `FeatureCache` over `examples` (same order).
+
+        Raises:
+            ValueError: a recording made with another target, or without ``hidden_layers``.
+        """
+        starts, at = [], 0
+        for shard in self.shards:
+            starts.append((at, at + len(shard.lengths)))
+            at += len(shard.lengths)
+        manifest = Manifest(
+            layers=self.info.layers, dtype=self.info.dtype, hidden_size=self.info.hidden_size, num_examples=len(self),
+            num_tokens=self.num_tokens, shards=tuple(starts), data_fingerprint="", target=self.info.target,
+        )
+        files = CacheFiles(manifest, tuple(shard.file for shard in self.shards), self.info.key)
+        return FeatureCache(self.path, target, hidden_layers, logits=logits, files=files)
