@@ -183,6 +183,40 @@ def test_a_missing_target_or_head_is_refused_before_torch_loads(tmp_path, argv, 
         assert run.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("command", ["train", "regenerate", "extract-features"])
+@pytest.mark.parametrize("named_by", ["the file", "an override"])
+def test_a_config_whose_target_path_is_not_there_is_refused_before_torch_loads(tmp_path, command, named_by):
+    """The config commands refuse a local target.path that is not there in one line naming the key, the path and
+    the config file, before torch loads, whether the file or a ``target.path=`` override names it."""
+    missing = str(tmp_path / "no" / "such")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time"}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({  # JSON is YAML
+        "target": {"path": missing if named_by == "the file" else str(tmp_path)}, "head": {"type": "medusa"},
+        "data": {"train": str(data)}, "training": {"output_dir": str(tmp_path / "run")},
+    }))
+    overrides = [] if named_by == "the file" else [f"target.path={missing}"]
+    run = subprocess.run([sys.executable, "-c", MAIN_WITHOUT_TORCH, command, str(recipe), *overrides],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.stdout.split() == ["2", "False"], run.stderr
+    assert run.stderr.startswith(f"specgraft {command}: error: {recipe}: target.path={missing!r}: directory {missing} "
+                                 "does not exist") and run.stderr.count("\n") == 1
+
+
+def test_a_target_path_override_is_what_the_config_commands_check(tmp_path):
+    """An override that names an existing target replaces the file's missing one: the next missing file is named."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({
+        "target": {"path": str(tmp_path / "no" / "such")}, "head": {"type": "medusa"},
+        "data": {"train": str(tmp_path / "train.jsonl")}, "training": {"output_dir": str(tmp_path / "run")},
+    }))
+    run = subprocess.run([sys.executable, "-c", MAIN_WITHOUT_TORCH, "train", str(recipe), f"target.path={tmp_path}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.stdout.split() == ["2", "False"], run.stderr
+    assert run.stderr.startswith(f"specgraft train: error: {recipe}: data.train=") and "target.path" not in run.stderr
+
+
 def test_a_file_given_for_a_head_directory_says_so(tmp_path, capsys):
     head = tmp_path / "config.json"
     head.write_text("{}")
@@ -218,17 +252,27 @@ def test_a_head_trained_on_a_symlinked_target_names_the_link_it_was_given(tmp_pa
 
 
 def test_train_does_not_warn_that_deepspeed_fell_back_to_the_cpu(tmp_path):
-    # `specgraft train` (here on a missing config), then what the trainer does first: ask DeepSpeed for its accelerator.
+    # `specgraft train` on a config that runs, its training replaced by what the trainer does first: ask DeepSpeed for
+    # its accelerator. (A config that is refused never gets that far, nor imports torch.)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "Once upon a time"}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"target": {"path": str(tmp_path)}, "head": {"type": "medusa"},
+                                  "data": {"train": str(data)}, "training": {"output_dir": str(tmp_path / "run")}}))
     code = (
+        "import sys, types\n"
         "from specgraft.cli import main\n"
-        f"assert main(['train', {str(tmp_path / 'missing.yaml')!r}]) == 2\n"
-        "from deepspeed.accelerator import get_accelerator\n"
-        "print(get_accelerator().device_name())\n"
+        "def run_training(cfg):\n"
+        "    from deepspeed.accelerator import get_accelerator\n"
+        "    print(get_accelerator().device_name())\n"
+        "    return 'head'\n"
+        "sys.modules['specgraft.train.pipeline'] = types.SimpleNamespace(run_training=run_training)\n"
+        f"assert main(['train', {str(recipe)!r}]) == 0\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
-    assert "missing.yaml" in run.stderr and run.stdout.strip() == "cpu"
+    assert run.stdout.splitlines() == ["cpu", "head written to head"]
     assert "Setting accelerator to CPU" not in run.stderr + run.stdout
 
 

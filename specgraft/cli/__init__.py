@@ -131,14 +131,13 @@ def _deepspeed_on_cpu_quietly() -> None:
 
 
 def _config(args: argparse.Namespace):
-    """The validated config and its files, before torch loads: a typo in an override is refused at once."""
+    """The validated config and its files, before torch loads: a typo in an override, or a target.path, data file
+    or checkpoint that is not there, is refused at once (the overrides applied first)."""
     from specgraft.config import check_files, load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_files(cfg)
-    finally:  # set before anything imports DeepSpeed, whatever happens here
-        _deepspeed_on_cpu_quietly()
+    cfg = load_config(args.config, args.overrides)
+    check_files(cfg)
+    _deepspeed_on_cpu_quietly()  # it imports torch: only for a config that will run, before anything imports DeepSpeed
     return cfg
 
 
