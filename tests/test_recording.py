@@ -204,3 +204,38 @@ def test_sigkill_while_recording_leaves_every_shard_whole(dev_prompts, trained_e
     features = rec.features(sg.load_target(STORIES), [rec.info.layers[0]])
     batch = features.batch([len(examples) - 1], collate([examples[-1]], pad_token_id=0))
     assert torch.isfinite(batch.hidden[rec.info.layers[0]]).all()
+
+
+# ---------------------------------------------------------------------------------------------- trained on
+
+
+def test_a_batch_mixing_recorded_and_original_rows_gets_each_rows_states_as_the_target_computes_them(
+        stories, dev_prompts, trained_eagle, tmp_path):
+    from specgraft.train.features import target_batch
+    from specgraft.train.mix import MixedFeatures, open_recordings, recorded_examples, recorded_features, with_original_share
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
+    serve(stories, dev_prompts[:4], {"eagle": eagle}, observer=recorder, drafter="eagle", tree=sg.Chain(3))
+    recorder.close()
+    recordings = open_recordings([tmp_path / "rec"])
+    cut = max(len(stories.encode(p)) for p in dev_prompts[:4]) + 5  # every generation cut: a prefix of its states read
+    recorded = recorded_examples(recordings, max_length=cut)
+    assert len(recorded) == 4 and all(len(e["input_ids"]) <= cut for e in recorded)
+    original = [{"input_ids": stories.encode(p), "loss_mask": [1] * len(stories.encode(p))} for p in dev_prompts[4:10]]
+    mixed = with_original_share(recorded, original, 1 / 3, seed=0)
+    assert mixed[:4] == recorded and len(mixed) == 6 and all(e in original for e in mixed[4:])
+    layers = eagle.hidden_layers
+
+    def online(indices, batch):
+        return target_batch(stories, batch, layers)
+
+    features = MixedFeatures(mixed, recorded_features(recordings, stories, layers, logits=True), online)
+    rows = [5, 0, 4, 2]  # original, recorded, original, recorded
+    batch = collate([mixed[i] for i in rows], pad_token_id=0)
+    got, want = features.batch(rows, batch), target_batch(stories, batch, layers)
+    real = batch["attention_mask"].bool()
+    for layer in layers:
+        torch.testing.assert_close(got.hidden[layer][real], want.hidden[layer][real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.target_logits[real], want.target_logits[real], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)

@@ -442,6 +442,8 @@ class FeatureCache:
             ``target_logits=None``, and the final layer is read only if the head reads it).
         files: the manifest and shards to read where they are not ``path``'s own (a recording of served traffic,
             `specgraft.train.recording`).
+        prefixes: a batch's example may be the first tokens of the cache's (a recorded generation cut to
+            ``data.max_length``); else its length must be the cache's.
 
     Raises:
         FileNotFoundError: no manifest, or missing shards (an interrupted extraction: rerun it, it resumes).
@@ -457,11 +459,13 @@ class FeatureCache:
         examples: Sequence[Mapping[str, Any]] | None = None,
         logits: bool = True,
         files: CacheFiles | None = None,
+        prefixes: bool = False,
     ) -> None:
         self.path = Path(path)
         self.target = target
         self.requested = tuple(hidden_layers)
         self.logits = logits
+        self.prefixes = prefixes
         if files is None:
             manifest = Manifest.read(self.path)
             names = [SHARD_NAME.format(i) for i in range(len(manifest.shards))]
@@ -517,6 +521,8 @@ class FeatureCache:
         hidden = {layer: torch.zeros(b, t, self.manifest.hidden_size, dtype=storage) for layer in self.layers}  # (B, T, H)
         for row, index in enumerate(indices):
             handle, first, n = self._rows(index)
+            if self.prefixes and lengths[row] < n:
+                n = lengths[row]
             if n != lengths[row]:
                 raise ValueError(
                     f"example {index} has {n} tokens in the feature cache {self.path} but {lengths[row]} in this batch: "

@@ -261,8 +261,10 @@ class Recording:
                 at += n
         return out
 
-    def features(self, target: Target, hidden_layers: Sequence[int], *, logits: bool = True) -> FeatureCache:
-        """The recorded states as a `FeatureCache` over `examples` (same order).
+    def features(self, target: Target, hidden_layers: Sequence[int], *, logits: bool = True,
+                 prefixes: bool = False) -> FeatureCache:
+        """The recorded states as a `FeatureCache` over `examples` (same order; ``prefixes``: a batch may hold the
+        first tokens of an example, cut to a length).
 
         Raises:
             ValueError: a recording made with another target, or without ``hidden_layers``.
@@ -276,4 +278,4 @@ class Recording:
             num_tokens=self.num_tokens, shards=tuple(starts), data_fingerprint="", target=self.info.target,
         )
         files = CacheFiles(manifest, tuple(shard.file for shard in self.shards), self.info.key)
-        return FeatureCache(self.path, target, hidden_layers, logits=logits, files=files)
+        return FeatureCache(self.path, target, hidden_layers, logits=logits, files=files, prefixes=prefixes)

@@ -1,0 +1,120 @@
+"""Fine-tuning on served traffic: recorded generations, mixed with a share of the original data.
+
+A head fine-tuned on recorded traffic alone drifts toward it and forgets what it drafted well before; a share of
+its original data in every epoch (``data.original_share``) keeps it (replay, as continual learning calls it). The
+recorded examples carry their states (`specgraft.train.recording`), so only the original share runs the target
+(online, or from its offline cache); `MixedFeatures` gives every row of a batch its states from its own source.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from specgraft.heads.base import TrainBatch
+from specgraft.model import Target
+from specgraft.train.recording import Recording
+
+FeatureSource = Callable[[Sequence[int], Mapping[str, torch.Tensor]], TrainBatch]  # (indices, collated batch)
+RECORDED = "recorded"  # an example's key: (recording, index in it), for examples that came from a recording
+
+
+def recorded_examples(recordings: Sequence[Recording], max_length: int) -> list[dict[str, Any]]:
+    """Every recorded generation as a training example, cut to ``max_length`` tokens, tagged with where its states
+    are (``example["recorded"] = (k, i)``: recording k's example i). Generations with nothing trained left after
+    the cut are dropped."""
+    out = []
+    for k, recording in enumerate(recordings):
+        for i, example in enumerate(recording.examples()):
+            ids, mask = example["input_ids"][:max_length], example["loss_mask"][:max_length]
+            if any(mask):
+                out.append({"input_ids": ids, "loss_mask": mask, RECORDED: (k, i)})
+    return out
+
+
+def with_original_share(recorded: list[dict], original: Sequence[dict], share: float, *, seed: int = 0) -> list[dict]:
+    """``recorded`` and as many ``original`` examples (drawn without replacement, seeded) as make them ``share`` of
+    the whole, or every original one if there are fewer: recorded first, then the original ones."""
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"data.original_share must lie in [0, 1), got {share}")
+    wanted = min(len(original), round(share / (1.0 - share) * len(recorded)))
+    picked = sorted(random.Random(seed).sample(range(len(original)), wanted))
+    return list(recorded) + [original[i] for i in picked]
+
+
+class MixedFeatures:
+    """Features of a batch mixing recorded and original examples: each row's from its own source.
+
+    Args:
+        examples: the training examples the trainer's indices refer to.
+        recorded: each recording's states (``Recording.features``), indexed as ``example["recorded"]`` says.
+        original: the features of the other examples: a function of (indices, collated batch), the indices the
+            positions of those examples among the non-recorded ones, in order (what an offline cache of them holds).
+    """
+
+    def __init__(self, examples: Sequence[Mapping[str, Any]], recorded: Sequence[FeatureSource],
+                 original: FeatureSource) -> None:
+        self.sources = [*recorded, original]
+        self.route: list[tuple[int, int]] = []  # example -> (source, index in it)
+        count = 0
+        for example in examples:
+            if RECORDED in example:
+                self.route.append(tuple(example[RECORDED]))
+            else:
+                self.route.append((len(recorded), count))
+                count += 1
+
+    def batch(self, indices: Sequence[int], batch: Mapping[str, torch.Tensor]) -> TrainBatch:
+        groups: dict[int, list[int]] = {}  # source -> the batch's rows from it
+        for row, index in enumerate(indices):
+            groups.setdefault(self.route[index][0], []).append(row)
+        parts = []
+        for source, rows in groups.items():
+            picked = torch.tensor(rows)
+            sub = {key: value[picked] for key, value in batch.items()}  # (rows, T): the batch's width kept
+            parts.append((picked, self.sources[source]([self.route[indices[r]][1] for r in rows], sub)))
+        if len(parts) == 1:
+            return parts[0][1]
+        return _joined(parts, len(indices))
+
+
+def _joined(parts: list[tuple[torch.Tensor, TrainBatch]], size: int) -> TrainBatch:
+    """One batch of ``size`` rows from parts holding some of its rows each, every part as wide as the batch."""
+    first = parts[0][1]
+
+    def join(get: Callable[[TrainBatch], torch.Tensor]) -> torch.Tensor:
+        like = get(first)
+        out = like.new_empty((size, *like.shape[1:]))
+        for rows, part in parts:
+            out[rows.to(out.device)] = get(part).to(out.dtype)
+        return out
+
+    return TrainBatch(
+        input_ids=join(lambda b: b.input_ids),
+        loss_mask=join(lambda b: b.loss_mask),
+        hidden={layer: join(lambda b, layer=layer: b.hidden[layer]) for layer in first.hidden},
+        target_logits=None if first.target_logits is None else join(lambda b: b.target_logits),
+    )
+
+
+def open_recordings(paths: Sequence[str | Path]) -> list[Recording]:
+    """The recordings of ``data.recorded``, refused (naming the key and the directory) where one is absent or empty."""
+    recordings = []
+    for path in paths:
+        try:
+            recording = Recording(path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"data.recorded: {err}") from None
+        if len(recording) == 0:
+            raise ValueError(f"data.recorded: {path} holds no recorded request yet")
+        recordings.append(recording)
+    return recordings
+
+
+def recorded_features(recordings: Sequence[Recording], target: Target, hidden_layers: Sequence[int],
+                      logits: bool) -> list[FeatureSource]:
+    """Each recording's states as a feature source (their generations may be cut to ``data.max_length``)."""
+    return [r.features(target, hidden_layers, logits=logits, prefixes=True).batch for r in recordings]
