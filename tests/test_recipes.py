@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import SMOLLM2_PLACES
 
 from specgraft.config import ConfigError, check_files, load_config, to_deepspeed_config
+from specgraft.specs import looks_like_path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -35,6 +37,11 @@ DS_JSONS = sorted(RECIPES.rglob("*.json"))
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
 WORLD = 8  # the GPUs the real recipes are written for
 
+# The one place the recipes, their README and docs/ have materialize.py write SmolLM2, where the tests look first.
+SMOLLM2_DIR = "~/" + SMOLLM2_PLACES[0].as_posix()
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the README's stand-in for "your model"
+# A SmolLM2 directory a command names: materialize.py's destination, a --target, or a shell variable docs/ set to it.
+SMOLLM2_NAMED = re.compile(r"(?:materialize\.py\s+|--target[ =]|\bS=)([^\s`'\"]*SmolLM2[^\s`'\"]*)")
 # A command line in a config's header: something that starts a run.
 COMMAND = re.compile(r"(specgraft (train|regenerate)|launch_8gpu\.sh|launch_multinode\.sh|deepspeed --|torchrun --|-m specgraft\.train)\s")
 
@@ -178,6 +185,25 @@ def test_regenerated_data_is_shared_only_between_identical_generators(offline, a
         if regen.output in seen:
             assert seen[regen.output][0] == key, f"{rel(path)} and {seen[regen.output][1]} write {regen.output} differently"
         seen[regen.output] = (key, rel(path))
+
+
+def test_recipes_that_train_smollm2_name_the_one_directory_materialize_writes():
+    """Every recipe whose local target is SmolLM2 names the directory the docs have materialize.py write (and the
+    tests look in first), so a recipe cannot drift to a place nothing writes."""
+    targets = {rel(p): yaml.safe_load(p.read_text())["target"]["path"] for p in CONFIGS}
+    smollm2 = {name: path for name, path in targets.items() if "smollm2" in path.lower() and looks_like_path(path)}
+    assert set(smollm2) >= {rel(p) for p in (RECIPES / "smollm2-135m").glob("*.yaml")}
+    assert {name: path for name, path in smollm2.items() if path != SMOLLM2_DIR} == {}
+
+
+def test_commands_name_the_one_smollm2_directory():
+    """materialize.py's destination and every --target naming SmolLM2, in the recipes' headers, their README,
+    README.md, docs/ and benchmarks/, are the directory the recipes train (or the hub id)."""
+    files = [*CONFIGS, RECIPES / "README.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "benchmarks").glob("*.py"))]
+    named = [(rel(f), m.group(1)) for f in files for m in SMOLLM2_NAMED.finditer(f.read_text())]
+    assert any(name == "recipes/README.md" for name, _ in named) and any(name.startswith("docs/") for name, _ in named)
+    assert [(name, path) for name, path in named if path not in (SMOLLM2_DIR, SMOLLM2_HUB_ID)] == []
 
 
 def test_every_recipe_is_listed_in_the_readme():
