@@ -27,7 +27,7 @@ _EXPORTS = {
     "import_head": "specgraft.heads.importer",
     "LayerSkip": "specgraft.heads.layer_skip",
     **dict.fromkeys(('LayerSkipSearch', 'search_layer_skip'), "specgraft.heads.layer_skip_search"),
-    **dict.fromkeys(('as_drafter', 'build_head', 'drafter_from_spec', 'load_drafter', 'load_head'), "specgraft.heads.loading"),
+    **dict.fromkeys(('as_drafter', 'build_head', 'drafter_from_spec', 'load_drafter', 'load_head', 'load_head_weights'), "specgraft.heads.loading"),
     **dict.fromkeys(('MedusaDrafter', 'MedusaHeads'), "specgraft.heads.medusa"),
     "PromptLookup": "specgraft.heads.prompt_lookup",
 }
@@ -65,6 +65,7 @@ __all__ = [
     "import_head",
     "load_drafter",
     "load_head",
+    "load_head_weights",
     "save_head",
     "search_layer_skip",
     "validate_export",

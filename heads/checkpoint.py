@@ -145,6 +145,18 @@ def read_head_dir(path: str | Path) -> tuple[Any, dict[str, Any], dict[str, torc
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a head directory holds config.json and model.safetensors")
+    head_config, signature = read_head_config(config_file)
+    try:
+        tensors = load_file(str(weights_file))
+    except SafetensorError as err:
+        raise ValueError(f"{weights_file} is truncated or corrupt ({err}); train or export the head again") from None
+    return head_config, signature, tensors
+
+
+def read_head_config(config_file: str | Path) -> tuple[Any, dict[str, Any]]:
+    """(typed head config, target signature) of a head's ``config.json``, or of the `SIDECAR` beside a distilled
+    draft's transformers files, with errors naming the file and the key."""
+    config_file = Path(config_file)
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
@@ -161,8 +173,4 @@ def read_head_dir(path: str | Path) -> tuple[Any, dict[str, Any], dict[str, torc
             f"head.{'.'.join(map(str, loc))}: {e['msg']} (got {e['input']!r})" for loc, e in zip(locations, err.errors())
         )
         raise ValueError(f"{config_file}: invalid head config: {problems}") from None
-    try:
-        tensors = load_file(str(weights_file))
-    except SafetensorError as err:
-        raise ValueError(f"{weights_file} is truncated or corrupt ({err}); train or export the head again") from None
-    return head_config, raw["target"], tensors
+    return head_config, raw["target"]

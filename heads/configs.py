@@ -79,4 +79,12 @@ class DistillConfig:
     temperature: float = Field(1.0, gt=0.0)  # of the KL targets
 
 
+# Fields that only weigh or shape the training loss. A head fine-tuned from another (`training.init_from`) may
+# change them; every other field decides the shapes or the meaning of the weights and must match.
+LOSS_FIELDS = frozenset({
+    "loss_decay", "noise", "feature_loss_weight", "token_loss_weight", "ttt_length", "num_anchors",
+    "loss_decay_gamma", "labels", "temperature",
+})
+
+
 HeadConfig = Annotated[Union[MedusaConfig, EagleConfig, Eagle3Config, DFlashConfig, DistillConfig], Field(discriminator="type")]

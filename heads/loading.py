@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from torch import nn
 
 from specgraft.heads.base import Drafter
-from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_dir
+from specgraft.heads.checkpoint import SIDECAR, check_target, read_head_config, read_head_dir
 from specgraft.heads.composite import Composite
-from specgraft.heads.configs import DFlashConfig, DistillConfig, Eagle3Config, EagleConfig, MedusaConfig
+from specgraft.heads.configs import (
+    LOSS_FIELDS, DFlashConfig, DistillConfig, Eagle3Config, EagleConfig, HeadConfig, MedusaConfig,
+)
 from specgraft.heads.dflash import DFlashDrafter, DFlashHead
 from specgraft.heads.distill import DistilledDraft
 from specgraft.heads.draft_model import DraftModel
@@ -52,6 +55,66 @@ def load_head(path: str | Path, target: Target) -> nn.Module:
     # In the target's dtype: a bf16 target's features, embeddings and output layer need no cast a call (the
     # output layer, shared with the target, would otherwise be copied whole at every draft level)
     return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def load_head_weights(head: nn.Module, path: str | Path, target: Target, *, where: str) -> None:
+    """Copy into ``head`` the weights of the head saved in ``path``, after checking that it is the same head.
+
+    For fine-tuning (``training.init_from``): ``head`` is built from this run's config for ``target``, so
+    the saved head must have its type and shape (`check_same_head`) and have been trained for ``target``.
+    Persistent buffers come with the weights: EAGLE-3's draft vocabulary is the saved head's.
+
+    Args:
+        where: how errors name ``path``, e.g. ``training.init_from='runs/a/best'``.
+
+    Raises:
+        FileNotFoundError: ``path`` or one of its files is missing.
+        ValueError: a head of another type or shape, or one trained for another target, naming the fields.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{where}: head directory {path} does not exist")
+    distilled = (path / SIDECAR).is_file()  # a distilled draft: a transformers model directory and the sidecar
+    if distilled:
+        config, signature = read_head_config(path / SIDECAR)
+    else:
+        config, signature, tensors = read_head_dir(path)
+    check_target(signature, target, where)
+    check_same_head(config, head.config, where)
+    if distilled:
+        from transformers import AutoModelForCausalLM
+
+        # from_pretrained restores what save_pretrained leaves out (a tied output layer) and reads shards
+        tensors = {f"model.{k}": v for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: its weights do not fit this {config.type} head: missing {missing}, unexpected {unexpected}"
+        )
+
+
+def check_same_head(saved: HeadConfig, built: HeadConfig, where: str) -> None:
+    """Raise naming every field in which the head config ``saved`` (at ``where``) differs from ``built``.
+
+    Fields in `LOSS_FIELDS` only weigh the training loss, so a fine-tune may change them; the others decide
+    the shapes or the meaning of the weights (sizes, depths, taps, the draft vocabulary's size).
+    """
+    if saved.type != built.type:
+        raise ValueError(
+            f"{where} holds a head of type {saved.type!r}, and this config's head.type is {built.type!r}: "
+            "fine-tuning starts from a head of the same type"
+        )
+    theirs, ours = dataclasses.asdict(saved), dataclasses.asdict(built)
+    wrong = [
+        f"head.{k}: {theirs[k]!r} in the saved head, {v!r} in this config"
+        for k, v in ours.items() if k not in LOSS_FIELDS and theirs[k] != v
+    ]
+    if wrong:
+        free = sorted(LOSS_FIELDS & ours.keys())
+        raise ValueError(
+            f"{where} holds a {saved.type} head of another shape: " + "; ".join(wrong)
+            + " (set them as the saved head has them" + (f"; only {', '.join(free)} may differ)" if free else ")")
+        )
 
 
 def as_drafter(head: nn.Module, target: Target) -> Drafter:

@@ -124,6 +124,12 @@ class TrainingSection(_Section):
     # auto: the latest complete checkpoint in output_dir, if any; never: start over (deletes
     # output_dir/checkpoints); or a checkpoint directory (output_dir/checkpoints/step_N).
     resume: str = "auto"
+    # Fine-tune: a head directory (what a run writes to OUTPUT_DIR/head or OUTPUT_DIR/best) whose weights this run
+    # starts from, refused unless it has this config's head type and shape and was trained for this target. A
+    # checkpoint that training.resume finds in output_dir still wins. Lowers the defaults of lr and warmup_ratio
+    # (`_continuing_defaults`) and needs data.eval_fraction > 0: the held-out simulated tau of the initial head,
+    # evaluated before the first step, decides whether output_dir/best keeps it or a fine-tuned one.
+    init_from: str | None = None
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads; None: picked from the target's size (specgraft.threads)
     # online: the target runs on every batch. offline: it runs once per example ahead of training
     # (`specgraft extract-features CONFIG`, or at start-up when the cache is absent or incomplete) and
@@ -137,6 +143,23 @@ class TrainingSection(_Section):
     feature_layers: list[int] = Field(default_factory=list)
     # Storage dtype of the offline cache; None: target.dtype. bfloat16 halves an fp32 target's cache, at bf16 precision.
     feature_dtype: Literal["float32", "float16", "bfloat16"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _continuing_defaults(cls, data: Any) -> Any:
+        """With ``init_from`` set, an ``lr`` or ``warmup_ratio`` the section leaves out takes a fine-tune's default.
+
+        A tenth of a fresh head's lr: the head is already near a minimum, and Adam's first steps move every
+        weight by about lr whatever its gradient (its moments start again at zero), so a fresh head's rate
+        would first undo part of what the head knows. No warmup: warmup keeps those steps of a random init from
+        large, badly aimed moves; at a tenth of the rate they are small already, and a short fine-tune would
+        spend a good share of its steps warming up. If the first steps still hurt, the initial head's
+        evaluation before step 1 keeps it in output_dir/best. A value the config or an override gives wins.
+        """
+        if isinstance(data, dict) and data.get("init_from") is not None:
+            fresh_lr = cls.model_fields["lr"].default
+            data = {"lr": fresh_lr / 10, "warmup_ratio": 0.0, **data}
+        return data
 
 
 class TrackingSection(_Section):
@@ -191,6 +214,11 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"data.regenerate.max_user_tokens={regen.max_user_tokens} is below "
                 f"data.regenerate.min_user_tokens={regen.min_user_tokens}"
+            )
+        if self.training.init_from is not None and self.data.eval_fraction == 0:
+            raise ValueError(
+                f"training.init_from={self.training.init_from!r} needs data.eval_fraction > 0: the held-out "
+                "simulated tau decides whether output_dir/best keeps the initial head or a fine-tuned one"
             )
         if self.training.eval_every > 0 and self.eval.prompts is None and self.data.eval_fraction == 0:
             raise ValueError(
@@ -353,6 +381,8 @@ def _absolute_paths(cfg: TrainConfig) -> None:
             setattr(training, key, _absolute(getattr(training, key)))
     if training.resume not in ("auto", "never"):
         training.resume = _absolute(training.resume)
+    if training.init_from is not None:
+        training.init_from = _absolute(training.init_from)
     if cfg.tracking.dir is not None:
         cfg.tracking.dir = _absolute(cfg.tracking.dir)
 
@@ -364,7 +394,8 @@ def check_files(cfg: TrainConfig) -> None:
     extract-features) call this first, so a typo fails before any model loads.
 
     Raises:
-        FileNotFoundError: the target directory, data, prompts, tree file, DeepSpeed JSON or resume checkpoint.
+        FileNotFoundError: the target directory, data, prompts, tree file, DeepSpeed JSON, resume checkpoint or
+            the head to fine-tune from.
         ConfigError: the DeepSpeed JSON is not a JSON object.
     """
     where = cfg._source or "config"
@@ -395,6 +426,8 @@ def check_files(cfg: TrainConfig) -> None:
         _read_json(training.deepspeed_config, "training.deepspeed_config")
     if training.resume not in ("auto", "never"):
         must_exist("training.resume", training.resume, "directory")
+    if training.init_from is not None:
+        must_exist("training.init_from", training.init_from, "directory")
 
 
 def _read_json(path: str, key: str) -> dict:

@@ -78,6 +78,35 @@ def test_overrides_set_typed_values_and_nested_sections(tmp_path, files):
     assert Path(cfg.data.regenerate.output).is_absolute()
 
 
+def test_fine_tuning_lowers_the_lr_and_drops_the_warmup_by_default(tmp_path, files, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fresh = load_config(write(tmp_path, minimal(files, data={"eval_fraction": 0.1})))
+    tuned = load_config(write(tmp_path, minimal(files, data={"eval_fraction": 0.1})), ["training.init_from=runs/a/best"])
+    assert tuned.training.lr == fresh.training.lr / 10 and tuned.training.warmup_ratio == 0.0
+    assert fresh.training.warmup_ratio > 0
+    assert tuned.training.init_from == str(tmp_path / "runs" / "a" / "best")  # made absolute like every path
+
+
+def test_an_lr_or_warmup_the_config_gives_wins_over_the_fine_tuning_defaults(tmp_path, files):
+    in_yaml = minimal(files, data={"eval_fraction": 0.1}, training={"lr": 3e-3, "init_from": "head"})
+    cfg = load_config(write(tmp_path, in_yaml))
+    assert cfg.training.lr == 3e-3 and cfg.training.warmup_ratio == 0.0
+    cfg = load_config(write(tmp_path, in_yaml), ["training.warmup_ratio=0.1", "training.lr=1e-3"])
+    assert cfg.training.lr == 1e-3 and cfg.training.warmup_ratio == 0.1  # the fresh default's value, given: kept
+
+
+def test_fine_tuning_needs_a_held_out_split(tmp_path, files):
+    with pytest.raises(ConfigError, match=r"training\.init_from=.*needs data\.eval_fraction > 0"):
+        load_config(write(tmp_path, minimal(files)), ["training.init_from=head"])
+
+
+def test_a_missing_head_to_fine_tune_from_names_the_key_and_path(tmp_path, files):
+    raw = minimal(files, data={"eval_fraction": 0.1}, training={"init_from": str(tmp_path / "no_head")})
+    cfg = load_config(write(tmp_path, raw))  # validation needs no file; running the config does
+    with pytest.raises(FileNotFoundError, match=r"training\.init_from=.*no_head.*: directory .*no_head does not exist"):
+        check_files(cfg)
+
+
 def test_hub_dataset_names_are_not_checked_on_disk(tmp_path, files):
     raw = minimal(files, data={"train": "someorg/some-dataset"})
     assert load_config(write(tmp_path, raw)).data.train == "someorg/some-dataset"

@@ -37,7 +37,8 @@ def run_training(cfg: TrainConfig) -> Path:
         train, heldout = _training_data(cfg, target, env)
         torch.manual_seed(cfg.training.seed)  # the head's initialisation (DeepSpeed then copies rank 0's to all)
         head = build_head(cfg.head, target)
-        if hasattr(head, "set_draft_vocab"):  # EAGLE-3: the most frequent target tokens of the training data
+        # EAGLE-3: the most frequent target tokens of the training data (a fine-tune keeps its head's own)
+        if hasattr(head, "set_draft_vocab") and cfg.training.init_from is None:
             counts = torch.zeros(target.vocab_size, dtype=torch.long)
             for example in train:  # only tokens the head learns to predict, as EAGLE-3 and SpecForge count
                 ids = torch.tensor(example["input_ids"])[torch.tensor(example["loss_mask"]).bool()]

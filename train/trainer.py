@@ -28,6 +28,11 @@ that reports ``simulated_tau`` (the held-out split's, see
 `specgraft.train.evaluate`) and beats the earlier ones also saves the head
 to ``output_dir/best``, with ``best.json`` naming its step and value: a head
 that overfits late is not lost.
+
+With ``training.init_from`` a fresh run starts from a trained head's weights
+and evaluates that head before the first step (as step 0), so
+``output_dir/best`` keeps it unless fine-tuning beats it; a closing line
+says which head was kept.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from torch.utils.data import DistributedSampler
 from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
 from specgraft.heads.base import TrainableHead, uses_target_logits
 from specgraft.heads.checkpoint import save_head
+from specgraft.heads.loading import load_head_weights
 from specgraft.model import Target
 from specgraft.progress import progress_bar
 from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
@@ -279,6 +285,9 @@ class Trainer:
         # Per-rank seeds: ranks draw different training noise, reproducibly.
         torch.manual_seed(t.seed + self.env.rank)
         random.seed(t.seed + self.env.rank)
+        checkpoint = self._checkpoint_to_resume()
+        if t.init_from is not None:
+            self._start_from_head(checkpoint)  # before DeepSpeed copies the weights (bf16 keeps fp32 masters)
         params = [p for p in self.head.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(self.head).__name__} has no trainable parameters")
@@ -296,7 +305,6 @@ class Trainer:
             logits = uses_target_logits(self.head)
             self._features = lambda indices, batch: target_batch(self.target, batch, self.head.hidden_layers, logits)
         self._prepare_output()
-        checkpoint = self._checkpoint_to_resume()
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         if self.env.is_main:
@@ -315,6 +323,21 @@ class Trainer:
         return FeatureCache(
             path, self.target, self.head.hidden_layers, examples=self.train_data, logits=uses_target_logits(self.head)
         )
+
+    def _start_from_head(self, checkpoint: Path | None) -> None:
+        """Load ``training.init_from``'s weights into the head, unless a checkpoint to resume holds newer ones."""
+        init_from = self.cfg.training.init_from
+        if checkpoint is not None:
+            if self.env.is_main:
+                log.warning(
+                    "training.init_from=%s is not loaded: training.resume=%s continues from %s (a new "
+                    "training.output_dir, or training.resume=never, starts from the head)",
+                    init_from, self.cfg.training.resume, checkpoint,
+                )
+            return
+        load_head_weights(self.head, init_from, self.target, where=f"training.init_from={init_from!r}")
+        if self.env.is_main:
+            log.info("starting from the head in %s (training.init_from)", init_from)
 
     def _prepare_output(self) -> None:
         if self.env.is_main:
@@ -370,7 +393,8 @@ class Trainer:
         """Keep the records up to the starting step: an interrupted run's later ones are logged again (a fresh run keeps none)."""
         path = self.output_dir / METRICS_FILE
         if path.is_file():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= self.step]
+            lines = path.read_text().splitlines() if self.step else []  # a fresh run's initial head logs step 0 again
+            kept = [line for line in lines if line and json.loads(line)["step"] <= self.step]
             self.history = [json.loads(line) for line in kept]
             path.write_text("".join(line + "\n" for line in kept))
 
@@ -406,6 +430,8 @@ class Trainer:
         self._progress = progress_bar(
             total=self.total_steps, initial=self.step, desc="train", unit="step", enabled=self.env.is_main
         )
+        if self.step == 0 and t.init_from is not None and self.evaluate is not None:
+            self._run_evaluation()  # the initial head, as step 0: output_dir/best keeps it unless fine-tuning beats it
         consumed = self.step * self.accumulation  # micro-batches this rank has trained on
         window: list[float] = []
         window_metrics: dict[str, list[float]] = defaultdict(list)
@@ -446,6 +472,9 @@ class Trainer:
         for record in self.history:  # the latest value of every logged name: train loss, lr, eval metrics
             self.final_metrics.update(record)
         self.final_metrics["train_seconds"] = round(time.perf_counter() - started, 1)
+        kept = self._kept_head() if self.env.is_main else None
+        if kept is not None:
+            self._progress.write(kept)
         return self.final_metrics
 
     def _batches(self, epoch: int, skip: int) -> Iterator[tuple[list[int], Mapping[str, torch.Tensor]]]:
@@ -502,9 +531,27 @@ class Trainer:
                 metrics = dict(self.evaluate(self.head))
             self.head.train()
             self._record({"step": self.step, **{f"eval/{k}": float(v) for k, v in metrics.items()}})
-            self._progress.write(f"step {self.step}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            name = f"step {self.step}" if self.step else "the initial head (step 0)"
+            self._progress.write(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             self._keep_best(metrics)
         dist.barrier()
+
+    def _kept_head(self) -> str | None:
+        """After a fine-tune (rank 0): which head ``output_dir/best`` holds, the initial one or a step's, with the
+        initial head's BEST_METRIC and fine-tuning's best; None unless both were evaluated."""
+        key = f"eval/{BEST_METRIC}"
+        initial = next((r[key] for r in self.history if r["step"] == 0 and key in r), None)
+        tuned = [(r[key], r["step"]) for r in self.history if r["step"] > 0 and key in r]
+        if initial is None or not tuned or self.best is None:
+            return None
+        value, step = max(tuned, key=lambda vs: (vs[0], -vs[1]))  # the earliest of equal values, as _keep_best keeps
+        where = f"{self.output_dir / BEST}"
+        source = f"the initial head (training.init_from={self.cfg.training.init_from})"
+        if self.best["step"] == 0:
+            return (f"kept {source} in {where}: {BEST_METRIC} {initial:.4g}; fine-tuning's best, at step {step}, "
+                    f"was {value:.4g}")
+        return (f"kept step {self.best['step']} in {where}: {BEST_METRIC} {self.best[BEST_METRIC]:.4g}; "
+                f"{source} had {initial:.4g}")
 
     def _keep_best(self, metrics: Mapping[str, float]) -> None:
         """Save the head to ``output_dir/best`` when this evaluation's BEST_METRIC beats every earlier one.
@@ -567,8 +614,10 @@ class Trainer:
     def _card(self, metrics: Mapping[str, float]) -> str:
         rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
         batch = self.micro_batch_size * self.accumulation * self.env.world_size
+        init_from = self.cfg.training.init_from
+        start = f"From the head in `{init_from}` (training.init_from): " if init_from else ""
         return (
-            f"## Training\n\n{self.step} optimizer steps of {batch} sequences "
+            f"## Training\n\n{start}{self.step} optimizer steps of {batch} sequences "
             f"({self.env.world_size} rank(s) x {self.micro_batch_size} x {self.accumulation} accumulation), "
             f"{self.cfg.training.precision}, ZeRO stage {self.cfg.training.zero_stage}.\n\n"
             f"| metric | value |\n|---|---|\n{rows}\n\n"
