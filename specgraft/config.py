@@ -89,7 +89,7 @@ class RegenerateSection(_Section):
 class DataSection(_Section):
     """Training conversations: a local file or a hub dataset name."""
 
-    train: str | None = None  # required unless data.regenerate says where prompts come from
+    train: str | None = None  # required unless data.regenerate says where prompts come from, or data.recorded
     format: Literal["auto", "sharegpt", "openai", "text", "question"] = "auto"
     max_length: int = Field(2048, ge=2)  # tokens per sequence after the chat template; longer ones are cut
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # held out for per-depth accuracy, never trained on
@@ -98,6 +98,12 @@ class DataSection(_Section):
     train_fraction: float = Field(1.0, gt=0.0, le=1.0)
     on_error: Literal["raise", "skip"] = "raise"  # a malformed record stops loading, or is skipped and counted
     regenerate: RegenerateSection | None = None
+    # Recordings of served traffic (`specgraft serve --record DIR`): their generations train with the states the
+    # server recorded (no target forward); the held-out split (eval_fraction) is then drawn from them alone
+    recorded: list[str] = Field(default_factory=list)
+    # With data.recorded: the share of the mix drawn from data.train / data.regenerate (seeded), so the head keeps
+    # what it drafted well; the rest is the recorded traffic. 0: the recordings alone
+    original_share: float = Field(0.25, ge=0.0, lt=1.0)
 
 
 class TrainingSection(_Section):
@@ -194,8 +200,9 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _compatible(self) -> "TrainConfig":
         # Combinations that cannot run; each message names both keys.
-        if self.data.train is None and self.data.regenerate is None:
-            raise ValueError("data.train is required (a file or hub dataset), unless data.regenerate is set")
+        if self.data.train is None and self.data.regenerate is None and not self.data.recorded:
+            raise ValueError("data.train is required (a file or hub dataset), unless data.regenerate or "
+                             "data.recorded is set")
         regen = self.data.regenerate
         if (
             regen is not None and self.data.train is None and regen.prompts is None
@@ -364,6 +371,7 @@ def _absolute_paths(cfg: TrainConfig) -> None:
         cfg.target.path = _absolute(target)
     if cfg.data.train is not None and _is_local_data(cfg.data.train):
         cfg.data.train = _absolute(cfg.data.train)
+    cfg.data.recorded = [_absolute(path) for path in cfg.data.recorded]
     regen = cfg.data.regenerate
     if regen is not None:
         if regen.prompts is not None:
@@ -413,6 +421,8 @@ def check_files(cfg: TrainConfig) -> None:
     regen = cfg.data.regenerate
     if cfg.data.train is not None and _is_local_data(cfg.data.train):
         must_exist("data.train", cfg.data.train)
+    for k, recorded in enumerate(cfg.data.recorded):
+        must_exist(f"data.recorded[{k}]", recorded, "directory")
     if regen is not None and regen.prompts is not None:
         must_exist("data.regenerate.prompts", regen.prompts)
     if cfg.eval.prompts is not None:

@@ -239,3 +239,56 @@ def test_a_batch_mixing_recorded_and_original_rows_gets_each_rows_states_as_the_
         torch.testing.assert_close(got.hidden[layer][real], want.hidden[layer][real], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.target_logits[real], want.target_logits[real], atol=1e-4, rtol=1e-4)
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_specgraft_train_fine_tunes_a_head_on_a_recording_running_the_target_only_for_the_original_share(
+        stories, dev_prompts, trained_eagle, tmp_path, monkeypatch, share):
+    import json
+
+    import yaml
+
+    from specgraft.cli import main
+    from specgraft.train import trainer as trainer_module
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
+    serve(stories, dev_prompts[:12], {"eagle": eagle}, observer=recorder, drafter="eagle", tree=sg.Chain(3))
+    recorder.close()
+    text = tmp_path / "original.jsonl"
+    text.write_text("".join(json.dumps({"text": p}) + "\n" for p in dev_prompts[12:24]))
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": str(STORIES)},
+        "head": {"type": "eagle"},  # the conftest head's config (EagleConfig's defaults)
+        "data": {"train": str(text), "recorded": [str(tmp_path / "rec")], "original_share": share,
+                 "max_length": 64, "eval_fraction": 0.25},
+        "training": {"output_dir": str(tmp_path / "out"), "init_from": str(trained_eagle), "num_threads": 1,
+                     "micro_batch_size": 4, "save_every": 0, "log_every": 1, "epochs": 1},
+    }))
+    rows: list[int] = []
+    online = trainer_module.target_batch
+
+    def counted(target, batch, *args, **kwargs):
+        rows.append(batch["input_ids"].shape[0])
+        return online(target, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "target_batch", counted)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert main(["train", str(config)]) == 0
+    recorded_train = 12 - 3  # a quarter of the recorded generations held out
+    originals = round(share / (1 - share) * recorded_train)
+    assert sum(rows) == originals  # the recorded rows read their recorded states; only the original ones ran
+    best = json.loads((tmp_path / "out" / "best" / "best.json").read_text())
+    assert "simulated_tau" in best
+
+
+def test_a_config_may_train_on_recordings_alone_and_a_missing_one_is_named(tmp_path):
+    from specgraft.config import check_files, load_config
+
+    config = tmp_path / "recipe.yaml"
+    config.write_text(f"target: {{path: {STORIES}}}\nhead: {{type: eagle}}\ndata: {{recorded: [{tmp_path / 'nope'}]}}\n")
+    cfg = load_config(config)
+    assert cfg.data.train is None and cfg.data.original_share == 0.25
+    with pytest.raises(FileNotFoundError, match=r"data.recorded\[0\]=.*nope"):
+        check_files(cfg)

@@ -103,10 +103,14 @@ def _load_target(cfg: TrainConfig, env: DistEnv) -> Target:
 def _training_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list[dict], list[dict]]:
     """Tokenized (train, held-out) examples, after self-distillation when ``data.regenerate`` is set.
 
-    The train split's order is what the trainer's indices, and the offline feature cache, refer to.
+    The train split's order is what the trainer's indices, and the offline feature cache, refer to. With
+    ``data.recorded``: the recorded generations (the held-out split drawn from them) and ``data.original_share``
+    of the mix from the original data (`specgraft.train.mix`).
     """
     from specgraft.train import data as data_lib
 
+    if cfg.data.recorded:
+        return _recorded_data(cfg, target, env)
     source = _regenerate(cfg, target, env) if cfg.data.regenerate is not None else cfg.data.train
     records = data_lib.load_records(source, format=cfg.data.format, on_error=cfg.data.on_error)
     dataset = data_lib.TokenizedDataset(records, target.tokenizer, cfg.data.max_length)
@@ -118,6 +122,25 @@ def _training_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list
             len(train), len(heldout), source, dataset.dropped, cfg.data.train_fraction,
         )
     return train, heldout
+
+
+def _recorded_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list[dict], list[dict]]:
+    """The recorded generations, split (train, held-out), and the original data's share beside their train split."""
+    from specgraft.train import data as data_lib
+    from specgraft.train.mix import open_recordings, recorded_examples, with_original_share
+
+    recorded = recorded_examples(open_recordings(cfg.data.recorded), cfg.data.max_length)
+    train, heldout = data_lib.train_eval_split(recorded, cfg.data.eval_fraction, seed=cfg.training.seed)
+    original = []
+    if cfg.data.original_share > 0 and (cfg.data.train is not None or cfg.data.regenerate is not None):
+        rest = cfg.data.model_copy(update={"recorded": []})
+        original, _ = _training_data(cfg.model_copy(update={"data": rest}), target, env)
+    mixed = with_original_share(train, original, cfg.data.original_share, seed=cfg.training.seed)
+    if env.is_main:
+        log.info("%d recorded generations from %s (%d held out), with %d of %d original examples (original_share %g)",
+                 len(recorded), ", ".join(cfg.data.recorded), len(heldout), len(mixed) - len(train), len(original),
+                 cfg.data.original_share)
+    return mixed, heldout
 
 
 def run_regeneration(cfg: TrainConfig) -> str:

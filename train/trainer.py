@@ -60,13 +60,14 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from specgraft.config import TrainConfig, dump_config, to_deepspeed_config
-from specgraft.heads.base import TrainableHead, uses_target_logits
+from specgraft.heads.base import TrainableHead, TrainBatch, uses_target_logits
 from specgraft.heads.checkpoint import save_head
 from specgraft.heads.loading import load_head_weights
 from specgraft.model import Target
 from specgraft.progress import progress_bar
 from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
 from specgraft.train.features import target_batch
+from specgraft.train.mix import RECORDED, MixedFeatures, open_recordings, recorded_features
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +300,7 @@ class Trainer:
         )
         self.head = self.engine.module  # the same module, moved and cast by DeepSpeed
 
-        if t.features == "offline":
-            self._features = self._feature_cache().batch
-        else:
-            logits = uses_target_logits(self.head)
-            self._features = lambda indices, batch: target_batch(self.target, batch, self.head.hidden_layers, logits)
+        self._features = self._feature_source()
         self._prepare_output()
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
@@ -311,17 +308,34 @@ class Trainer:
             self._truncate_metrics()
             self._start_tracking()
 
-    def _feature_cache(self) -> FeatureCache:
+    def _feature_source(self) -> Callable[[Sequence[int], Mapping[str, torch.Tensor]], TrainBatch]:
+        """Where each batch's target states come from: the target's forward (online), the offline cache, and for
+        recorded generations (``data.recorded``) the states the server recorded."""
+        logits = uses_target_logits(self.head)
+        recorded = [e for e in self.train_data if RECORDED in e]
+        original = [e for e in self.train_data if RECORDED not in e] if recorded else self.train_data
+        if self.cfg.training.features == "offline" and original:
+            source = self._feature_cache(original).batch
+        else:
+            def source(indices, batch):
+                return target_batch(self.target, batch, self.head.hidden_layers, logits)
+        if not recorded:
+            return source
+        recordings = recorded_features(open_recordings(self.cfg.data.recorded), self.target, self.head.hidden_layers,
+                                       logits)
+        return MixedFeatures(self.train_data, recordings, source).batch
+
+    def _feature_cache(self, examples: Sequence[Mapping[str, Any]]) -> FeatureCache:
         """Every rank extracts its share of the offline feature cache's shards (or of those an interrupted
         extraction left), then reads the whole cache."""
         path = features_dir(self.cfg)
         extract_features(
-            self.cfg, self.target, self.train_data, self.head.hidden_layers, path,
+            self.cfg, self.target, examples, self.head.hidden_layers, path,
             rank=self.env.rank, world_size=self.env.world_size, barrier=dist.barrier,
         )
         dist.barrier()
         return FeatureCache(
-            path, self.target, self.head.hidden_layers, examples=self.train_data, logits=uses_target_logits(self.head)
+            path, self.target, self.head.hidden_layers, examples=examples, logits=uses_target_logits(self.head)
         )
 
     def _start_from_head(self, checkpoint: Path | None) -> None:
