@@ -256,7 +256,7 @@ def test_specgraft_train_fine_tunes_a_head_on_a_recording_running_the_target_onl
     serve(stories, dev_prompts[:12], {"eagle": eagle}, observer=recorder, drafter="eagle", tree=sg.Chain(3))
     recorder.close()
     text = tmp_path / "original.jsonl"
-    text.write_text("".join(json.dumps({"text": p}) + "\n" for p in dev_prompts[12:24]))
+    text.write_text("".join(json.dumps({"text": p}) + "\n" for p in dev_prompts[12:40]))  # 21 trained after the held-out quarter
     config = tmp_path / "recipe.yaml"
     config.write_text(yaml.safe_dump({
         "target": {"path": str(STORIES)},
@@ -276,7 +276,11 @@ def test_specgraft_train_fine_tunes_a_head_on_a_recording_running_the_target_onl
     monkeypatch.setattr(trainer_module, "target_batch", counted)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert main(["train", str(config)]) == 0
-    recorded_train = 12 - 3  # a quarter of the recorded generations held out
+    from specgraft.train.mix import open_recordings, recorded_examples, split_recorded
+
+    train, heldout = split_recorded(recorded_examples(open_recordings([tmp_path / "rec"]), 64), 0.25)
+    assert heldout and train  # (a quarter held out, by each generation's hash)
+    recorded_train = len(train)
     originals = round(share / (1 - share) * recorded_train)
     assert sum(rows) == originals  # the recorded rows read their recorded states; only the original ones ran
     best = json.loads((tmp_path / "out" / "best" / "best.json").read_text())
@@ -292,3 +296,14 @@ def test_a_config_may_train_on_recordings_alone_and_a_missing_one_is_named(tmp_p
     assert cfg.data.train is None and cfg.data.original_share == 0.25
     with pytest.raises(FileNotFoundError, match=r"data.recorded\[0\]=.*nope"):
         check_files(cfg)
+
+
+def test_a_growing_recording_keeps_its_held_out_generations_held_out():
+    from specgraft.train.mix import split_recorded
+
+    examples = [{"input_ids": [1, k, k * k % 97, 5], "loss_mask": [0, 1, 1, 1]} for k in range(400)]
+    train, heldout = split_recorded(examples, 0.2)
+    assert 0.12 < len(heldout) / 400 < 0.28 and len(train) + len(heldout) == 400
+    early_train, early_heldout = split_recorded(examples[:150], 0.2)
+    assert early_heldout == [e for e in heldout if e in examples[:150]]
+    assert early_train == [e for e in train if e in examples[:150]]

@@ -8,7 +8,9 @@ recorded examples carry their states (`specgraft.train.recording`), so only the 
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,6 +35,17 @@ def recorded_examples(recordings: Sequence[Recording], max_length: int) -> list[
             if any(mask):
                 out.append({"input_ids": ids, "loss_mask": mask, RECORDED: (k, i)})
     return out
+
+
+def split_recorded(examples: Sequence[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) of recorded examples, each held out by a hash of its tokens: a recording that grows keeps
+    its held-out generations held out (a learner's later rounds never train on what its earlier ones were judged
+    by), and about ``eval_fraction`` of them."""
+    train, heldout = [], []
+    for example in examples:
+        digest = hashlib.sha256(array("q", example["input_ids"]).tobytes()).digest()
+        (heldout if int.from_bytes(digest[:8], "little") < eval_fraction * 2**64 else train).append(example)
+    return train, heldout
 
 
 def with_original_share(recorded: list[dict], original: Sequence[dict], share: float, *, seed: int = 0) -> list[dict]:

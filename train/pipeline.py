@@ -126,11 +126,10 @@ def _training_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list
 
 def _recorded_data(cfg: TrainConfig, target: Target, env: DistEnv) -> tuple[list[dict], list[dict]]:
     """The recorded generations, split (train, held-out), and the original data's share beside their train split."""
-    from specgraft.train import data as data_lib
-    from specgraft.train.mix import open_recordings, recorded_examples, with_original_share
+    from specgraft.train.mix import open_recordings, recorded_examples, split_recorded, with_original_share
 
     recorded = recorded_examples(open_recordings(cfg.data.recorded), cfg.data.max_length)
-    train, heldout = data_lib.train_eval_split(recorded, cfg.data.eval_fraction, seed=cfg.training.seed)
+    train, heldout = split_recorded(recorded, cfg.data.eval_fraction)
     original = []
     if cfg.data.original_share > 0 and (cfg.data.train is not None or cfg.data.regenerate is not None):
         rest = cfg.data.model_copy(update={"recorded": []})
