@@ -101,6 +101,27 @@ class FeatureDrafter:
         the top-k (greedy rows, or a top-k draw), in a batched cache."""
         return rows is not None and shared_top_k_static(requests)
 
+    def adopt(self, other: "FeatureDrafter") -> None:
+        """Draft with ``other``'s head from now on: a new version of this one's (same type and shapes), loaded and
+        prepared beforehand (`load_drafter`). One assignment, so a caller between steps swaps the whole head at once.
+
+        Running generations keep their states: their draft caches hold the previous head's keys and values for the
+        tokens before the swap, which the new head attends to as its own. Their drafts may be weaker until they end,
+        never wrong: verification decides every token, whatever the draft.
+
+        Raises:
+            ValueError: a head of another type or shape (naming the fields), or one that reads other target layers.
+        """
+        from specgraft.heads.loading import check_same_head
+
+        if not isinstance(other, FeatureDrafter):
+            raise ValueError(f"a {type(self.head).__name__} drafter cannot adopt a {type(other).__name__}")
+        check_same_head(other.head.config, self.head.config, "the new head")
+        if tuple(other.hidden_layers) != tuple(self.hidden_layers):
+            raise ValueError(f"the new head reads target layers {list(other.hidden_layers)}, this one "
+                             f"{list(self.hidden_layers)}")
+        self.head = other.head
+
 
 class FeatureDraftState:
     """One generation's feature-space drafting: its draft KV cache and the pairs not yet in it.

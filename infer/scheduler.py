@@ -292,6 +292,23 @@ class Scheduler:
         if self.pool is not None and isinstance(drafter, BatchDrafter):
             self.draft_pools[name] = drafter.new_rows(self.max_batch_size, self.max_len + TREE_SLOTS)
 
+    def adopt(self, name: str, drafter: Drafter) -> None:
+        """Drafter ``name`` drafts with ``drafter``'s weights from the next step on (a new version of its head, loaded
+        beforehand: its `adopt`). Call between steps: a step drafts with one version throughout. Exactness does not
+        depend on it: verification decides every token, whatever the draft.
+
+        Raises:
+            KeyError: ``name`` is not loaded.
+            TypeError: a drafter that cannot take new weights (only heads do).
+            ValueError: weights of another shape (the drafter's `adopt` names the fields).
+        """
+        if name not in self.drafters or self.drafters[name] is None:
+            raise KeyError(f"no drafter {name!r} to give new weights: loaded are {', '.join(self.drafters)}")
+        take = getattr(self.drafters[name], "adopt", None)
+        if take is None:
+            raise TypeError(f"drafter {name!r} ({type(self.drafters[name]).__name__}) cannot take new weights")
+        take(drafter)
+
     @property
     def pool_bytes(self) -> int:
         """Bytes of the target's KV pool (0 on Hugging Face's forward, whose caches grow per generation)."""

@@ -40,11 +40,14 @@ def recorded_examples(recordings: Sequence[Recording], max_length: int) -> list[
 def split_recorded(examples: Sequence[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     """(train, held-out) of recorded examples, each held out by a hash of its tokens: a recording that grows keeps
     its held-out generations held out (a learner's later rounds never train on what its earlier ones were judged
-    by), and about ``eval_fraction`` of them."""
-    train, heldout = [], []
-    for example in examples:
-        digest = hashlib.sha256(array("q", example["input_ids"]).tobytes()).digest()
-        (heldout if int.from_bytes(digest[:8], "little") < eval_fraction * 2**64 else train).append(example)
+    by), and about ``eval_fraction`` of them; at least the lowest hash's where ``eval_fraction`` > 0 and there are
+    two or more (a short recording still judges its rounds)."""
+    keys = [int.from_bytes(hashlib.sha256(array("q", e["input_ids"]).tobytes()).digest()[:8], "little") for e in examples]
+    bound = eval_fraction * 2**64
+    if eval_fraction > 0 and len(examples) >= 2 and min(keys) >= bound:
+        bound = min(keys) + 1
+    train = [e for e, key in zip(examples, keys) if key >= bound]
+    heldout = [e for e, key in zip(examples, keys) if key < bound]
     return train, heldout
 
 

@@ -17,6 +17,7 @@ beyond that is refused (`QueueFull`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,8 @@ from specgraft.infer.scheduler import Scheduler
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import TREE_SLOTS, Target
 from specgraft.tree import TreePolicy
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between looks at its command queue
 UNSUBMITTED = -1  # the handle of a job the scheduler never took
@@ -94,6 +97,8 @@ class EngineObserver(StepObserver):
     def finished(self, stats: GenerationStats) -> None: ...
 
     def load(self, running: int, queued: int) -> None: ...
+
+    def adopted(self, name: str, version: int, heldout_tau: float | None) -> None: ...
 
 
 class Engine:
@@ -175,6 +180,13 @@ class Engine:
         self.commands.put(("submit", job))
         self.wake.set()
 
+    def adopt(self, name: str, drafter: Drafter, version: int, heldout_tau: float | None = None) -> None:
+        """Drafter ``name`` takes ``drafter``'s weights (loaded by the caller, off the engine thread) between two
+        steps (`Scheduler.adopt`); the observer hears of ``version`` then. A drafter that refuses them is logged and
+        keeps its own."""
+        self.commands.put(("adopt", (name, drafter, version, heldout_tau)))
+        self.wake.set()
+
     def cancel(self, job: Job) -> None:
         """Stop a job (its client went away); the engine frees its rows before its next step."""
         self.commands.put(("cancel", job))
@@ -232,6 +244,14 @@ class Engine:
                 return False
             if kind == "submit":
                 self._submit(job)
+            elif kind == "adopt":
+                name, drafter, version, tau = job
+                try:
+                    self.scheduler.adopt(name, drafter)
+                except (KeyError, TypeError, ValueError) as err:
+                    log.error("drafter %r keeps its weights: version %d refused: %s", name, version, err)
+                    continue
+                self.observer.adopted(name, version, tau)
             elif kind == "cancel" and not job.ended:
                 if job.handle in self.jobs:
                     self.scheduler.cancel(job.handle)

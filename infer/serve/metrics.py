@@ -65,6 +65,17 @@ class Metrics(EngineObserver):
                                    registry=r)
         self.draft_pool_bytes = Gauge("specgraft_draft_pool_bytes", "Bytes of the batch drafters' draft KV pools",
                                       registry=r)
+        # Heads that learn while serving (serve --learn): each version's number, held-out tau and live acceptance
+        self.head_version = Gauge("specgraft_head_version", "The version a learning drafter drafts with (0: as loaded)",
+                                  ["drafter"], registry=r)
+        self.head_heldout_tau = Gauge("specgraft_head_heldout_simulated_tau", "Simulated tau of that version on the "
+                                      "held-out recorded traffic, as its learner measured it", ["drafter"], registry=r)
+        self.version_draft_tokens = Counter("specgraft_head_draft_tokens", "Draft tokens verified, by drafter version",
+                                            ["drafter", "version"], registry=r)
+        self.version_accepted_tokens = Counter("specgraft_head_accepted_tokens", "Draft tokens accepted, by drafter "
+                                               "version", ["drafter", "version"], registry=r)
+        self._versions: dict[str, int] = {}  # learning drafter -> its version
+        self._drafter_of: dict[int, str] = {}  # the last step's rows of learning drafters: handle -> drafter
 
     def started(self, scheduler: Scheduler) -> None:
         self.kv_pool_bytes.set(scheduler.pool_bytes)
@@ -91,11 +102,23 @@ class Metrics(EngineObserver):
         self.running.set(running)
         self.queued.set(queued)
 
+    def adopted(self, name: str, version: int, heldout_tau: float | None) -> None:
+        self._versions[name] = version
+        self.head_version.labels(name).set(version)
+        if heldout_tau is not None:
+            self.head_heldout_tau.labels(name).set(heldout_tau)
+
+    def learning(self, name: str) -> None:
+        """Count ``name``'s acceptance by version from now on (version 0: the head it was loaded with)."""
+        self.adopted(name, self._versions.get(name, 0), None)
+
     # ------------------------------------------------------------------ the scheduler's steps (engine thread)
 
     def drafted(self, step: Drafted) -> None:
         if step.selected is not None:
             self.adaptive_selected.observe(step.selected)
+        if self._versions:
+            self._drafter_of = {r.handle: r.drafter_name for r in step.rows if r.drafter_name in self._versions}
 
     def verified(self, step: Verified) -> None:
         if step.forwards:
@@ -108,6 +131,11 @@ class Metrics(EngineObserver):
         for row in step.rows:
             if not row.draft_tokens:  # not a draft: its root alone
                 continue
+            learner = self._drafter_of.get(row.handle) if self._versions else None
+            if learner is not None:
+                version = str(self._versions[learner])
+                self.version_draft_tokens.labels(learner, version).inc(row.draft_tokens)
+                self.version_accepted_tokens.labels(learner, version).inc(row.accepted)
             drafts += 1
             draft_tokens += row.draft_tokens
             accepted += row.accepted

@@ -22,7 +22,8 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,7 @@ from specgraft.heads import PromptLookup
 from specgraft.heads.base import Drafter
 from specgraft.infer.observer import StepObserver
 from specgraft.infer.serve.engine import Engine, Job, QueueFull
+from specgraft.infer.serve.learning import HeadWatcher
 from specgraft.infer.events import Failed, Finished, Tokens
 from specgraft.infer.serve.protocol import (
     COMPLETION_MAX_TOKENS,
@@ -235,6 +237,7 @@ def create_app(
     max_queue: int = 256,
     api_key: str | None = None,
     observers: Sequence[StepObserver] = (),
+    learning: Mapping[str, str | Path] | None = None,
 ) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine thread and stops it (failing what is left) at shutdown.
 
@@ -244,6 +247,8 @@ def create_app(
         default_tree: the tree of requests that name none (default ``Adaptive()``: sized each step by expected
             goodput, so speculation does not cost throughput under load; T(N) is timed here, before serving).
         observers: more observers of the engine's steps, beside its metrics (a traffic recorder).
+        learning: drafter name -> the directory its learner publishes versions in (`HeadWatcher`): each new one is
+            swapped in between steps, and /metrics counts acceptance by version.
     """
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:
@@ -254,6 +259,12 @@ def create_app(
                     tree_slots=tree_headroom(drafters, default_tree))
     for observer in observers:
         engine.scheduler.add_observer(observer)
+    watchers = []
+    for name, directory in (learning or {}).items():
+        if drafters.get(name) is None:
+            raise ValueError(f"no drafter {name!r} to learn: loaded are {', '.join(drafters)}")
+        watchers.append(HeadWatcher(engine, target, name, directory))
+        metrics.learning(name)
     state = ServerState(
         target=target, drafters=drafters, default_drafter=default_drafter, default_tree=default_tree,
         model_name=model_name or target.name, engine=engine, metrics=metrics, api_key=api_key,
@@ -265,7 +276,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        for watcher in watchers:
+            watcher.start()
         yield
+        for watcher in watchers:
+            await asyncio.to_thread(watcher.stop)
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="specgraft", lifespan=lifespan)

@@ -332,6 +332,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.default_drafter not in ("none", PROMPT_LOOKUP, *named):
         raise ValueError(f"--default-drafter {args.default_drafter!r}: choose from none, {PROMPT_LOOKUP}, {', '.join(named)}")
     check_model(args.target, "--target")
+    learn_dir = _check_learning(args, named)
     import specgraft as sg
     from specgraft.heads import drafter_from_spec
     from specgraft.infer.serve import create_app, run_server
@@ -341,20 +342,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
     drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
     recorder = _traffic_recorder(args.record, target, drafters) if args.record else None
+    learning = {args.learn: learn_dir} if args.learn else {}
     app = create_app(
         target, drafters, default_drafter=args.default_drafter, default_tree=tree,
         model_name=args.served_model_name or Path(args.target).name, max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue, api_key=args.api_key, observers=[recorder] if recorder else [],
+        max_queue=args.max_queue, api_key=args.api_key, observers=[recorder] if recorder else [], learning=learning,
     )
     print(app.state.specgraft.engine.describe(), file=sys.stderr)
+    learner = _start_learner(args, named[args.learn], learn_dir) if args.learn else None
     try:
         return run_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     finally:
+        if learner is not None:
+            learner.terminate()
+            learner.wait(30)
         if recorder is not None:
             recorder.close()
             print(f"specgraft serve: recorded {recorder.generations_written} requests in {recorder.shards_written} "
                   f"shards to {recorder.directory}" + (f" (recording stopped: {recorder.error})" if recorder.error else ""),
                   file=sys.stderr)
+
+
+def _check_learning(args: argparse.Namespace, named: dict) -> Path | None:
+    """serve --learn NAME: a head loaded as NAME, a recording to learn from; where its versions go."""
+    if args.learn is None:
+        return None
+    if args.learn not in named or not Path(named[args.learn]).is_dir():
+        raise ValueError(f"--learn {args.learn!r}: no head is loaded as --drafter {args.learn}=HEAD_DIR")
+    if not args.record:
+        raise ValueError("--learn needs --record DIR: the learner fine-tunes on the recorded traffic")
+    if args.learn_config is not None and not Path(args.learn_config).is_file():
+        raise ValueError(f"--learn-config {args.learn_config!r}: no such file")
+    return Path(args.learn_dir or f"{args.record.rstrip('/')}-learn-{args.learn}")
+
+
+def _start_learner(args: argparse.Namespace, head, learn_dir: Path):
+    """The learner process beside the server: `specgraft learn`, its log in LEARN_DIR/learner.log."""
+    import subprocess
+
+    learn_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "specgraft.cli", "learn", "--target", args.target, "--head", str(head),
+               "--record", args.record, "--out", str(learn_dir), "--every", str(args.learn_every)]
+    if args.learn_config:
+        command += ["--config", args.learn_config]
+    log_file = open(learn_dir / "learner.log", "a")
+    print(f"specgraft serve: learning {args.learn!r} from the recorded traffic every {args.learn_every} requests; "
+          f"versions in {learn_dir}, the learner's log in {learn_dir / 'learner.log'}", file=sys.stderr)
+    return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    """Rounds of fine-tuning on a recording until killed (or ``--rounds``)."""
+    import logging
+
+    from specgraft.train.learner import Learner
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    learner = Learner(args.target, args.head, args.record, args.out, config=args.config, every=args.every,
+                      threads=args.threads)
+    learner.run(rounds=args.rounds)
+    return 0
 
 
 def _traffic_recorder(directory: str, target, drafters: dict):
@@ -457,6 +504,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object], Call
     "bench": ("benchmark drafters and trees against baselines in one interleaved run", flags.add_bench_arguments,
               cmd_bench),
     "serve": ("an OpenAI-compatible server with continuous batching", flags.add_serve_arguments, cmd_serve),
+    "learn": ("fine-tune a served head on its recorded traffic, round after round (what serve --learn runs)",
+              flags.add_learn_arguments, cmd_learn),
 }
 
 

@@ -173,7 +173,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="record each finished request's tokens and the target's states at them into DIR, as "
                         "training data for the loaded heads (`specgraft train` with data.recorded: DIR); a request "
                         "sent with \"store\": false is not recorded. Off by default")
+    parser.add_argument("--learn", default=None, metavar="NAME",
+                        help="fine-tune the --drafter NAME head on the recorded traffic (needs --record) in a process "
+                        "of its own, and swap each version that beats it on held-out traffic in between steps")
+    parser.add_argument("--learn-dir", default=None, metavar="DIR",
+                        help="where --learn's rounds run and its versions are published (default: RECORD-learn-NAME)")
+    parser.add_argument("--learn-config", default=None, metavar="YAML",
+                        help="a training recipe for the head: its data is mixed in as data.original_share, its "
+                        "training settings are the rounds' (default: the recording alone, the head's own config)")
+    parser.add_argument("--learn-every", type=int, default=64, metavar="N",
+                        help="recorded requests between two rounds of --learn (default: %(default)s)")
     add_device_arguments(parser)
+    return parser
+
+
+def add_learn_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``specgraft learn`` (what ``serve --learn`` runs beside the server)."""
+    parser.add_argument("--target", required=True, help="the served target's directory or hub id")
+    parser.add_argument("--head", required=True, help="the head the server loaded (version 0)")
+    parser.add_argument("--record", required=True, metavar="DIR", help="the server's --record directory")
+    parser.add_argument("--out", required=True, metavar="DIR", help="where rounds run and versions are published")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="a training recipe for the head (its data is mixed in as data.original_share)")
+    parser.add_argument("--every", type=int, default=64, metavar="N", help="recorded requests between two rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds (default: never)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of a round (default: %(default)s)")
     return parser
 
 
