@@ -145,6 +145,12 @@ class BatchDrafter(Drafter, Protocol):
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache | None:
         """A batched draft cache of ``rows`` rows of ``max_len`` slots for a scheduler (None: the drafter keeps no cache)."""
 
+    def draft_slots(self, policy: TreePolicy) -> int | None:
+        """The most slots of a row of `new_rows`' cache that drafting a tree of ``policy`` takes beyond the row's
+        committed tokens, whatever the other rows draft (0: it caches committed tokens only; None: a policy it cannot
+        bound). Rows of ``max_len`` tokens and this many more never overflow: a scheduler sizes its draft pools so
+        and refuses a larger tree."""
+
     def start(
         self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None
     ) -> DraftState:

@@ -333,6 +333,11 @@ class DFlashDrafter:
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_rows(rows, max_len)
 
+    def draft_slots(self, policy: TreePolicy) -> int:
+        """0: a row's cache holds the context of its committed tokens alone, each row's catch-up written into its own
+        row; the block's keys and values are never cached."""
+        return 0
+
     @torch.inference_mode()
     def start(
         self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None

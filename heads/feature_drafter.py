@@ -14,7 +14,10 @@ Many generations draft together (`FeatureDrafter.propose_batch`): their
 caches are rows of one `BatchedKVCache` (a scheduler's, from `new_rows`),
 and each tree level is one forward over every row's new pairs, padded to the
 widest, each row at its own slots and positions with a mask of its own. One
-generation alone takes the same path with one row over its own cache.
+generation alone takes the same path with one row over its own cache. A round
+that would pad a row past its slots first catches the rows furthest behind up
+alone, each over its own row (`FeatureDrafter.rounds`): a row then takes at
+most `FeatureDrafter.draft_slots` of its tree beyond its committed tokens.
 
 A head plugs in with six methods: ``hidden_layers``, ``draft_features(hidden)``
 (target states -> (n, H) features), ``new_draft_cache(max_len)``,
@@ -27,7 +30,8 @@ Shape legend: B rows in a forward, T new pairs per row, W attended slots, H hidd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -35,7 +39,9 @@ import torch
 from specgraft.heads.base import DraftRequest, shared_top_k_static
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
 from specgraft.model.staging import staged
-from specgraft.tree import Chain, DynamicTree, Sampling, Tree, TreePolicy, grow_chains, grow_together
+from specgraft.tree import (
+    Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, TreePolicy, grow_chains, grow_together,
+)
 from specgraft.tree.dynamic import grow_dynamic
 from specgraft.tree.policies import grow_static
 
@@ -59,6 +65,13 @@ class FeatureDrafter:
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_draft_rows(rows, max_len)
 
+    def draft_slots(self, policy: TreePolicy) -> int | None:
+        """The root's pair and a slot per node of every level's frontier: 1 + (depth - 1) x the widest frontier
+        (`frontier_width`). The catch-up takes none beyond committed tokens: a round that would pad rows past their
+        slots catches its rows up alone first (`FeatureDrafter.rounds`)."""
+        width = frontier_width(policy, policy.max_depth)
+        return None if width is None else 1 + (policy.max_depth - 1) * width
+
     @torch.inference_mode()
     def start(
         self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: StaticKVCache | None = None
@@ -70,6 +83,13 @@ class FeatureDrafter:
     def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
         if len(requests) > 1 and not all(hasattr(r.policy, "levels") for r in requests):
             return [self.propose_batch([r], rows)[0] for r in requests]  # a policy with only `grow`: one by one
+        if rows is not None:
+            rounds = self.rounds(requests, rows)
+            if len(rounds) > 1:  # trees whose levels padded to each other's would overflow: a round each
+                trees = {}
+                for group in rounds:
+                    trees.update(zip(group, self.propose_batch([requests[i] for i in group], rows)))
+                return [trees[i] for i in range(len(requests))]
         round_ = FeatureRound(self.head, requests, rows)
         try:
             round_.run_roots()
@@ -88,6 +108,48 @@ class FeatureDrafter:
         finally:
             round_.rollback()
 
+    def rounds(self, requests: Sequence[DraftRequest], rows: BatchedKVCache) -> list[list[int]]:
+        """The requests (their indices) grouped into rounds that fit every row's slots: one round, unless it would not.
+
+        A round writes every row up to its highest request's (`FeatureRound`): the roots' forward pads each to the
+        round's widest catch-up (a row's pairs committed since it last drafted, and its root's), and each level to
+        its widest frontier (`level_slots`), so a row holding ``len`` slots reaches len + widest catch-up + levels.
+        Where that overflows, the request furthest behind first catches up alone over its own row (writing no other
+        row), until the round fits or every request is its root alone; then, if the requests' trees differ (each
+        level padded to the widest of them), each tree drafts in a round of its own. A row holds at most ``max_len``
+        tokens, so rows of ``max_len`` + `draft_slots` of every request's tree fit each such round.
+        """
+        everyone = [list(range(len(requests)))]
+        levels = level_slots(requests)
+        if levels is None:  # a policy whose levels it does not know: as it comes
+            return everyone
+        batch = max(r.row for r in requests) + 1
+        while True:
+            lengths = rows.lengths(batch)
+            behind = [r.state.length - lengths[r.row] for r in requests]  # each row's pairs: its catch-up and root
+            if max(lengths) + max(behind) + levels <= rows.max_len:
+                return everyone
+            furthest = max(range(len(requests)), key=behind.__getitem__)
+            if behind[furthest] <= 1:
+                break
+            self._catch_up_alone(requests[furthest])
+        groups: list[list[int]] = []  # requests by tree, in order
+        for i, request in enumerate(requests):
+            group = next((g for g in groups if requests[g[0]].policy == request.policy), None)
+            if group is None:
+                groups.append([i])
+            else:
+                group.append(i)
+        return groups
+
+    def _catch_up_alone(self, request: DraftRequest) -> None:
+        """Run the pairs ``request``'s state committed since its last round into its cache over its own row alone (a
+        round of its root by itself, on its row's view: no other row is written), keeping only those pairs."""
+        round_ = FeatureRound(self.head, [replace(request, row=0)], None)  # (row 0 of the one-row forward)
+        try:
+            round_.run_roots()
+        finally:
+            round_.rollback()
 
     @staticmethod
     def rows_dynamic(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
@@ -121,6 +183,52 @@ class FeatureDrafter:
             raise ValueError(f"the new head reads target layers {list(other.hidden_layers)}, this one "
                              f"{list(self.hidden_layers)}")
         self.head = other.head
+
+
+def frontier_width(policy: TreePolicy, depth: int) -> int | None:
+    """The most nodes one level of ``policy``'s tree, cut to ``depth``, runs through the head for a row: a chain's
+    one node, a dynamic or adaptive tree's ``top_k``, a static tree's widest level above its deepest (to which
+    `FeatureRound.static` pads every level). None: a policy whose levels this does not know."""
+    if isinstance(policy, Chain):
+        return 1
+    if isinstance(policy, (DynamicTree, Adaptive)):
+        return policy.top_k
+    if isinstance(policy, StaticTree):
+        return max(_static_widths(policy)[: depth - 1], default=1)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _static_widths(policy: StaticTree) -> tuple[int, ...]:
+    """A static tree's nodes at each depth from 1."""
+    depths = [len(path) for path in policy.choices]
+    return tuple(depths.count(d) for d in range(1, policy.max_depth + 1))
+
+
+def level_slots(requests: Sequence[DraftRequest]) -> int | None:
+    """The slots a round's levels take in every row it writes: level l (2 .. the deepest tree's depth) runs, for every
+    row, the widest frontier of the trees deeper than l - 1 (`FeatureRound` pads a level's rows to it). Trees of one
+    policy take (depth - 1) x its frontier; trees of several may take more than any one of them. None: a policy
+    `frontier_width` does not know."""
+    deepest: dict[int, tuple[TreePolicy, int]] = {}  # each policy's deepest request (a shallower one's levels pad less)
+    for request in requests:
+        policy, depth = request.policy, request.max_depth
+        known = deepest.get(id(policy))
+        if known is None or depth > known[1]:
+            deepest[id(policy)] = policy, depth
+    widest_at: dict[int, int] = {}  # depth (cut to what a row may draft) -> the widest frontier of trees that deep
+    for policy, depth in deepest.values():
+        depth = min(depth, policy.max_depth)
+        width = frontier_width(policy, depth)
+        if width is None:
+            return None
+        widest_at[depth] = max(width, widest_at.get(depth, 0))
+    depths = sorted(widest_at, reverse=True)
+    slots = widest = 0
+    for depth, shallower in zip(depths, [*depths[1:], 1]):  # levels shallower + 1 .. depth run the trees this deep
+        widest = max(widest, widest_at[depth])
+        slots += (depth - shallower) * widest
+    return slots
 
 
 class FeatureDraftState:

@@ -104,6 +104,9 @@ class MedusaDrafter:
     def new_rows(self, rows: int, max_len: int) -> None:
         return None  # no draft cache: a state is the target's last hidden state
 
+    def draft_slots(self, policy: TreePolicy) -> int:
+        return 0  # (no draft cache)
+
     def start(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor], cache: None = None) -> MedusaDraftState:
         return MedusaDraftState(self, hidden[self.hidden_layers[0]][-1])
 

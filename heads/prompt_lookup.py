@@ -46,6 +46,9 @@ class PromptLookup:
     def new_rows(self, rows: int, max_len: int) -> None:
         return None  # no draft cache: a state is its history
 
+    def draft_slots(self, policy: TreePolicy) -> int:
+        return 0  # (no draft cache)
+
     def propose_batch(self, requests: Sequence[DraftRequest], rows: None = None) -> list[Tree]:
         """Every request's trie, searched on the host and copied to the device in one staged copy (a tensor a
         trie would be a blocking copy each)."""

@@ -31,6 +31,9 @@ those that finished leave (`_leave_finished`).
 Memory is allocated once, at construction: the KV pool (rows x kv heads x
 slots x head_dim per layer, a length per row) and one draft pool per loaded
 `BatchDrafter`, whatever the number of drafter or tree settings requests use.
+A row of each holds ``max_len`` tokens and a headroom for the step's tree (the
+KV pool's ``tree_slots``, the draft pools' ``draft_slots``); `submit` refuses
+a tree that would not fit either, so none overflows mid-generation.
 
 Targets without the fast path (Hugging Face's forward) verify row by row,
 each generation with a cache of its own: transformers' caches hold one
@@ -200,8 +203,12 @@ class Scheduler:
         tree_slots: the slots each row of the KV pool holds beyond ``max_len`` for the tree it verifies: the most
             nodes, root included, of any tree it admits (`most_tree_nodes`; a larger one is refused at `submit`).
             A server passes its largest admitted tree's; the default, `TREE_SLOTS`, suits any tree of a few
-            hundred nodes. (Batch drafters' draft pools keep `TREE_SLOTS`: a row's draft forward also pads to
-            the catch-up of the row furthest behind.)
+            hundred nodes.
+        draft_slots: the slots each row of a batch drafter's draft pool holds beyond ``max_len`` for drafting
+            a tree: the most any tree it admits takes there (`most_draft_slots`: EAGLE's root and every level's
+            frontier, (depth - 1) x top_k + 1 for a dynamic tree; a larger one is refused at `submit`). A row's
+            catch-up takes none of them: a round that would pad rows past their slots catches the rows furthest
+            behind up alone first (`FeatureDrafter.rounds`). Default: ``tree_slots``.
         default_drafter, default_tree, default_acceptance: what `submit` uses when a request names none.
         closed: no request will be submitted once those queued are admitted (`generate_batch`'s batch): the
             batch then ends with its longest row, so while none waits, an `Adaptive` row that is ahead of the
@@ -227,6 +234,7 @@ class Scheduler:
         max_batch_size: int = 16,
         max_len: int | None = None,
         tree_slots: int = TREE_SLOTS,
+        draft_slots: int | None = None,
         default_drafter: str = NO_DRAFTER,
         default_tree: TreePolicy | None = None,
         default_acceptance: AcceptRule = sample_accept,
@@ -239,9 +247,13 @@ class Scheduler:
             raise ValueError(f"max_len={max_len} must lie in [1, {target.max_context}] (the target's context)")
         if isinstance(tree_slots, bool) or not isinstance(tree_slots, int) or tree_slots < 1:
             raise ValueError(f"tree_slots must be a positive integer (a tree's root takes one), got {tree_slots!r}")
+        draft_slots = tree_slots if draft_slots is None else draft_slots
+        if isinstance(draft_slots, bool) or not isinstance(draft_slots, int) or draft_slots < 1:
+            raise ValueError(f"draft_slots must be a positive integer (a tree's root takes one), got {draft_slots!r}")
         self.target = target
         self.max_batch_size = max_batch_size
         self.tree_slots = tree_slots
+        self.draft_slots = draft_slots
         self.pool = target.new_batched_cache(max_batch_size, self.max_len + tree_slots)  # None: row by row
         self.drafters: dict[str, Drafter | None] = {NO_DRAFTER: None}
         self.draft_pools: dict[str, BatchedKVCache | None] = {}  # batch drafters' rows (None: one keeps no cache)
@@ -290,7 +302,7 @@ class Scheduler:
             raise TypeError(f"drafter {type(drafter).__name__} does not implement the Drafter protocol")
         self.drafters[name] = drafter
         if self.pool is not None and isinstance(drafter, BatchDrafter):
-            self.draft_pools[name] = drafter.new_rows(self.max_batch_size, self.max_len + TREE_SLOTS)
+            self.draft_pools[name] = drafter.new_rows(self.max_batch_size, self.max_len + self.draft_slots)
 
     def adopt(self, name: str, drafter: Drafter) -> None:
         """Drafter ``name`` drafts with ``drafter``'s weights from the next step on (a new version of its head, loaded
@@ -367,6 +379,7 @@ class Scheduler:
 
         Raises:
             KeyError: an unknown drafter name (the message lists the loaded ones).
+            ValueError: a bad option, or a tree larger than a row of the KV pool or of the drafter's draft pool holds.
         """
         drafter = self.default_drafter if drafter is None else drafter
         if drafter not in self.drafters:
@@ -376,6 +389,13 @@ class Scheduler:
         if self.pool is not None and nodes is not None and nodes > self.tree_slots:
             raise ValueError(f"drafter {drafter!r} with tree {tree!r} verifies up to {nodes} nodes, more than the "
                              f"{self.tree_slots} slots each row of this scheduler's KV pool holds for a tree")
+        slots = most_draft_slots(self.drafters[drafter], tree)
+        room = self.draft_slots if self.draft_pools.get(drafter) is not None else TREE_SLOTS  # (a state's own cache)
+        if slots is not None and slots > room:
+            raise ValueError(f"drafter {drafter!r} with tree {tree!r} drafts into up to {slots} slots of its draft "
+                             f"cache, more than the {room} each row holds for drafting a tree (a tree drafted a level "
+                             f"at a time takes its root and every level's frontier: 1 + (depth - 1) x top_k for a "
+                             f"dynamic tree)")
         request = new_request(
             self.target, self._next_handle, prompt, max_new_tokens, max_len=self.max_len, drafter_name=drafter,
             drafter=self.drafters[drafter], tree=tree,
@@ -915,6 +935,16 @@ def most_tree_nodes(drafter: Drafter | None, tree: TreePolicy) -> int | None:
               else tree.budget if isinstance(tree, DynamicTree) else tree.max_nodes if isinstance(tree, Adaptive)
               else None)
     return None if drafts is None else 1 + drafts
+
+
+def most_draft_slots(drafter: Drafter | None, tree: TreePolicy) -> int | None:
+    """The most slots beyond a row's committed tokens that one step of ``drafter`` growing ``tree`` takes in a batch
+    drafter's draft cache (`BatchDrafter.draft_slots`: its row of the draft pool, or a state's own cache), 0 where
+    it keeps none (None: a policy it cannot bound). A composite drafts with one of its two drafters a step."""
+    if isinstance(drafter, Composite):
+        first, then = most_draft_slots(drafter.first, tree), most_draft_slots(drafter.then, tree)
+        return None if first is None or then is None else max(first, then)
+    return drafter.draft_slots(tree) if isinstance(drafter, BatchDrafter) else 0
 
 
 def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, handles: list[int]) -> Part:

@@ -505,6 +505,76 @@ def test_batched_feature_drafts_score_each_node_as_a_causal_run_of_its_path(stor
             assert float(tree.scores[node]) == pytest.approx(causal_score(features, tokens, path), abs=1e-4), node
 
 
+def overflowing_rounds(monkeypatch) -> list[Exception]:
+    """What batched feature drafting raises from now on (a draft row overflowing; the scheduler then drafts each row
+    alone, and a row whose own round overflows fails)."""
+    from specgraft.heads.feature_drafter import FeatureDrafter
+
+    raised, propose_batch = [], FeatureDrafter.propose_batch
+
+    def spied(self, requests, rows=None):
+        try:
+            return propose_batch(self, requests, rows)
+        except Exception as err:
+            raised.append(err)
+            raise
+
+    monkeypatch.setattr(FeatureDrafter, "propose_batch", spied)
+    return raised
+
+
+def beside_a_long_row(stories, sched, late: list[int], late_tokens: int, joins_at: int, *, first_tree=None,
+                      late_tree=None) -> None:
+    """Row 0 runs to the end of its ``sched.max_len`` tokens; ``late`` joins (row 1) once row 0's draft row holds
+    ``joins_at`` slots. Both must decode as plain greedy decoding does (trees None: the scheduler's default)."""
+    driver, pool = Driver(sched), sched.draft_pools["eagle"]
+    first = stories.encode("Once upon a time")
+    a = sched.submit(first, sched.max_len - len(first), eos_token_id=(), tree=first_tree)
+    while pool.lengths(1)[0] < joins_at:
+        driver.step()
+    b = sched.submit(late, late_tokens, eos_token_id=(), tree=late_tree)
+    driver.run(a, b)
+    for handle, prompt, tokens in ((a, first, sched.max_len - len(first)), (b, late, late_tokens)):
+        assert driver.result(handle).token_ids == hf_generate(stories, prompt, tokens, eos_token_id=None), handle
+
+
+def test_a_row_joining_far_behind_a_long_row_catches_up_alone_within_its_trees_headroom(
+        stories, dev_prompts, trained_eagle, monkeypatch):
+    """A draft round pads every row it writes to its widest catch-up (the pairs a row committed since it last
+    drafted: its whole prompt when it joins), then its levels. The draft pool holds a row 200 tokens and the tree's
+    17 slots (4 levels of top_k 4, and the root's), no fixed 1,024: a 60-token prompt joining beside a row 165 slots
+    in would overflow the long row (165 + 60 + 16 > 217), and alone too (its own round pads row 0 as well), so it
+    would fail. It catches up alone over its own row first; no round overflows and both rows stay greedy-exact."""
+    eagle = sg.load_drafter(trained_eagle, stories)
+    tree = sg.DynamicTree(top_k=4, depth=5, budget=16)
+    assert eagle.draft_slots(tree) == 1 + 4 * 4 == 17
+    sched = sg.Scheduler(stories, {"eagle": eagle}, max_batch_size=2, max_len=200, tree_slots=17,
+                         default_drafter="eagle", default_tree=tree)
+    assert sched.draft_pools["eagle"].kv.shape[4] == 200 + 17
+    raised = overflowing_rounds(monkeypatch)
+    late = stories.encode(" ".join(dev_prompts))[:60]
+    beside_a_long_row(stories, sched, late, 20, joins_at=165)
+    assert raised == []
+
+
+def test_trees_whose_levels_padded_to_each_others_overflow_draft_in_a_round_each(stories, trained_eagle, monkeypatch):
+    """A dynamic tree one level of 16 wide (17 draft slots) and a chain of 16 (16) each fit the rows' 17 slots of
+    headroom; drafted together, every level runs the wider frontier of the two (16 + 14 x 1 = 30 slots), which a row
+    near its end cannot hold. Each tree drafts in a round of its own: none overflows, both rows stay greedy-exact."""
+    from specgraft.heads.base import DraftRequest
+    from specgraft.heads.feature_drafter import level_slots
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    wide, deep = sg.DynamicTree(top_k=16, depth=2, budget=16), sg.Chain(16)
+    assert (eagle.draft_slots(wide), eagle.draft_slots(deep)) == (17, 16)
+    assert level_slots([DraftRequest(None, 0, wide, 16), DraftRequest(None, 0, deep, 16)]) == 16 + 14
+    sched = sg.Scheduler(stories, {"eagle": eagle}, max_batch_size=2, max_len=200, tree_slots=17,
+                         default_drafter="eagle")
+    raised = overflowing_rounds(monkeypatch)
+    beside_a_long_row(stories, sched, stories.encode("One day"), 150, joins_at=150, first_tree=wide, late_tree=deep)
+    assert raised == []
+
+
 def test_one_batch_mixing_every_drafter_kind_equals_each_alone_and_hf_greedy(stories, dev_prompts, trained_eagle):
     """Plain, prompt lookup, a trained EAGLE head on a chain and on a dynamic tree, Medusa on a static tree, a draft
     model and the composite, as rows of one scheduler: one verification forward per step serves them all, and every

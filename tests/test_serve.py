@@ -240,6 +240,58 @@ def test_the_kv_pool_holds_a_row_the_largest_tree_the_server_admits_not_a_fixed_
     assert "+ 257 for a tree" in engine.describe()
 
 
+def test_the_draft_pools_hold_a_row_the_largest_tree_the_server_admits_not_a_fixed_1024(stories, eagle_dir):
+    """An EAGLE row's drafting takes its root and a slot per node of every level's frontier beyond its tokens
+    ((depth - 1) x top_k + 1 for a dynamic tree): the server's draft pools hold the KV pool's 257 slots a row for it
+    (every chain a request may name, and a dynamic tree of (depth - 1) x top_k <= 256), or the default tree's where
+    that takes more, not 1,024."""
+    from specgraft.infer.serve.server import draft_headroom
+    from specgraft.model import TREE_SLOTS
+
+    eagle = load_drafter(eagle_dir, stories)
+    app = create_app(stories, {"eagle": eagle}, default_tree=sg.Chain(4), max_batch_size=2)
+    engine = app.state.specgraft.engine
+    sched = engine.scheduler
+    assert sched.draft_pools["eagle"].kv.shape[4] == sched.max_len + 257 < sched.max_len + TREE_SLOTS
+    fixed = sg.Scheduler(stories, {"eagle": eagle}, max_batch_size=2)  # (a scheduler's default: `TREE_SLOTS`)
+    assert sched.draft_pool_bytes * (sched.max_len + TREE_SLOTS) == fixed.draft_pool_bytes * (sched.max_len + 257)
+    assert f"draft pools (eagle): {sched.max_len + 257} slots a row ({sched.max_len} tokens + 257 for drafting" in (
+        engine.describe())
+    wide = sg.DynamicTree(top_k=64, depth=8, budget=64)  # 65 nodes to verify, (8 - 1) x 64 + 1 = 449 to draft
+    assert eagle.draft_slots(wide) == 449 and eagle.draft_slots(sg.Chain(64)) == 64
+    assert draft_headroom({"eagle": eagle, "prompt-lookup": sg.PromptLookup()}, wide, 257) == 449
+    assert draft_headroom({"prompt-lookup": sg.PromptLookup()}, wide, 257) == 257  # (no draft pool to hold it)
+    sched = create_app(stories, {"eagle": eagle}, default_tree=wide, max_batch_size=2).state.specgraft.engine.scheduler
+    assert sched.pool.kv.shape[4] == sched.max_len + 257 and sched.draft_pools["eagle"].kv.shape[4] == sched.max_len + 449
+
+
+def test_the_scheduler_refuses_a_tree_whose_drafting_its_draft_rows_cannot_hold(stories, eagle_dir):
+    """A dynamic tree of 256 drafts, 64 levels of 256 (dynamic:256,64,256), fits a row's 257 slots to verify but takes
+    63 x 256 + 1 = 16,129 to draft: refused at submit, naming the drafter, the tree and both sizes, where it would
+    overflow its draft row mid-generation. A composite's EAGLE state keeps a cache of its own, `TREE_SLOTS` beyond
+    the context."""
+    from specgraft.model import TREE_SLOTS
+
+    eagle = load_drafter(eagle_dir, stories)
+    sched = sg.Scheduler(stories, {"eagle": eagle, "pl+eagle": sg.Composite(sg.PromptLookup(), eagle)},
+                         max_batch_size=1, tree_slots=257)
+    assert sched.draft_slots == 257 and sched.draft_pools["eagle"].kv.shape[4] == sched.max_len + 257
+    sched.submit("Once", 4, drafter="eagle", tree=sg.DynamicTree(top_k=64, depth=5, budget=256))  # 4 x 64 + 1 = 257
+    sched.submit("Once", 4, drafter="eagle", tree=sg.StaticTree([[i] for i in range(256)]))  # one level: its root's
+    huge = sg.DynamicTree(top_k=256, depth=64, budget=256)
+    with pytest.raises(ValueError, match=r"drafter 'eagle' with tree DynamicTree\(top_k=256, depth=64, budget=256\) "
+                                         r"drafts into up to 16129 slots of its draft cache, more than the 257"):
+        sched.submit("Once", 4, drafter="eagle", tree=huge)
+    narrow_below = sg.StaticTree([[i] for i in range(128)] + [[0, 0], [0, 0, 0], [0, 0, 0, 0]])  # 131 nodes to verify
+    with pytest.raises(ValueError, match="up to 385 slots"):  # its 3 levels below the first each padded to its 128
+        sched.submit("Once", 4, drafter="eagle", tree=narrow_below)
+    with pytest.raises(ValueError, match=f"drafter 'pl\\+eagle' .* 16129 slots .* more than the {TREE_SLOTS}"):
+        sched.submit("Once", 4, drafter="pl+eagle", tree=huge)
+    assert len(sched.queued) == 2
+    with pytest.raises(ValueError, match="draft_slots must be a positive integer"):
+        sg.Scheduler(stories, max_batch_size=1, draft_slots=0)
+
+
 def test_the_scheduler_refuses_a_tree_larger_than_its_rows_hold(stories):
     drafters = {"prompt-lookup": sg.PromptLookup(num_tokens=8), "self": sg.DraftModel(stories, stories)}
     sched = sg.Scheduler(stories, drafters, max_batch_size=1, tree_slots=20)
@@ -266,6 +318,8 @@ def bad_requests() -> list[tuple[str, object, int, str]]:
         ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": "static:/etc/passwd"}}, 400, "never a file"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": {"kind": "static", "choices": [[i] for i in range(300)]}}},
          400, "too large"),
+        ("completions", {**ok, "speculative": {"drafter": "eagle", "tree": "dynamic:256,64,256"}}, 400,
+         "drafts into up to 16129 slots of its draft cache, more than the 257"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "num_speculative_tokens": 2, "tree": "chain:2"}}, 400, "not both"),
         ("completions", {**ok, "speculative": {"drafter": "eagle", "K": 2}}, 400, "speculative.K"),
         ("completions", {**ok, "max_tokens": 600}, 400, "+ max_tokens (600) exceeds the target's context of 512"),

@@ -112,6 +112,8 @@ class Engine:
         max_queue: most generations waiting for a row; more are refused with `QueueFull`.
         max_len: most tokens (prompt + new) of a request (see `Scheduler`).
         tree_slots: the KV pool's slots a row beyond ``max_len`` for the tree it verifies (see `Scheduler`).
+        draft_slots: the draft pools' slots a row beyond ``max_len`` for drafting a tree (see `Scheduler`; None:
+            ``tree_slots``).
         observer: receives load and latency reports, and the scheduler's steps (metrics).
     """
 
@@ -124,12 +126,13 @@ class Engine:
         max_queue: int = 256,
         max_len: int | None = None,
         tree_slots: int = TREE_SLOTS,
+        draft_slots: int | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size ({max_batch_size}) must be >= 1 and max_queue ({max_queue}) >= 0")
         self.scheduler = Scheduler(target, drafters, max_batch_size=max_batch_size, max_len=max_len,
-                                   tree_slots=tree_slots)
+                                   tree_slots=tree_slots, draft_slots=draft_slots)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.observer = observer or EngineObserver()
@@ -157,7 +160,9 @@ class Engine:
                 f"{heads} kv heads x {dim} dims, {sched.pool.kv.dtype}: {sched.pool_bytes / 2**20:,.1f} MiB")
         pooled = [name for name, pool in sched.draft_pools.items() if pool is not None]  # (Medusa, lookup: none)
         if pooled:
-            line += f"; draft pools ({', '.join(pooled)}): {sched.draft_pool_bytes / 2**20:,.1f} MiB"
+            line += (f"; draft pools ({', '.join(pooled)}): {sched.max_len + sched.draft_slots} slots a row "
+                     f"({sched.max_len} tokens + {sched.draft_slots} for drafting a tree), "
+                     f"{sched.draft_pool_bytes / 2**20:,.1f} MiB")
         return line
 
     # ------------------------------------------------------------------ HTTP side (any thread)

@@ -53,7 +53,7 @@ from specgraft.infer.serve.protocol import (
     stop_strings,
 )
 from specgraft.infer.request import PromptIds, check_prompt
-from specgraft.infer.scheduler import most_tree_nodes
+from specgraft.infer.scheduler import most_draft_slots, most_tree_nodes
 from specgraft.infer.serve.metrics import Metrics
 from specgraft.infer.stats import GenerationStats
 from specgraft.model import TREE_SLOTS, Target
@@ -189,6 +189,15 @@ def tree_headroom(drafters: dict[str, Drafter | None], default_tree: TreePolicy)
     return TREE_SLOTS if None in sizes else max(sizes)
 
 
+def draft_headroom(drafters: dict[str, Drafter | None], default_tree: TreePolicy, tree_slots: int) -> int:
+    """The draft pools' slots a row for drafting a tree: the KV pool's (``tree_slots``), or the default tree's
+    drafting where it takes more, so that a request naming no tree is never refused. A request's tree that takes more
+    is refused with a 400 (`Scheduler.submit`): a dynamic tree's levels take (depth - 1) x top_k slots beside its
+    root, 16,129 for dynamic:256,64,256, whose 256 drafts the KV pool holds."""
+    sizes = [most_draft_slots(drafter, default_tree) for drafter in drafters.values()]
+    return max([tree_slots, *(size for size in sizes if size is not None)])
+
+
 def chat_prompt_ids(target: Target, messages: list[dict[str, str]]) -> PromptIds:
     """The target's chat template applied to the messages, ready for the assistant's turn.
 
@@ -255,8 +264,9 @@ def create_app(
         raise ValueError(f"--default-drafter {default_drafter!r} is not loaded: choose from {', '.join(drafters)}")
     default_tree = default_tree or Adaptive()
     metrics = Metrics()
+    tree_slots = tree_headroom(drafters, default_tree)
     engine = Engine(target, drafters, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics,
-                    tree_slots=tree_headroom(drafters, default_tree))
+                    tree_slots=tree_slots, draft_slots=draft_headroom(drafters, default_tree, tree_slots))
     for observer in observers:
         engine.scheduler.add_observer(observer)
     watchers = []
