@@ -47,6 +47,33 @@ class ServerThread:
         self.sock.close()
 
 
+def spawn_server(*flags: str, timeout: float = 90.0):
+    """`specgraft serve` over stories260K on a free 127.0.0.1 port in a process of its own (one thread), once it
+    answers /health: (the process, its URL). Its stderr is a pipe; the caller stops it."""
+    import subprocess
+    import sys
+
+    from conftest import STORIES
+
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port = sock.getsockname()[1]
+    url = f"http://{HOST}:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1",
+         *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the server did not answer /health in {timeout}s: {proc.communicate()[1][-3000:]}")
+
+
 class Boom(PromptLookup):
     """Prompt lookup that fails on prompts holding ``trigger``: a drafter failing on one request's input."""
 

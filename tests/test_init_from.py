@@ -222,17 +222,9 @@ def medusa_run(stories, examples, tmp_path, monkeypatch):
     """`specgraft train` of a one-head Medusa recipe on the examples' text (lr 1e-2, 20% held out), by name of its
     output directory and overrides; returns the output directory."""
     from specgraft.cli import main
+    from test_trainer import medusa_recipe
 
-    text = tmp_path / "stories.jsonl"
-    text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
-    config = tmp_path / "recipe.yaml"
-    config.write_text(yaml.safe_dump({
-        "target": {"path": stories.name},
-        "head": {"type": "medusa", "num_heads": 1},
-        "data": {"train": str(text), "max_length": 32, "eval_fraction": 0.2},
-        "training": {"log_every": 1, "num_threads": 1, "micro_batch_size": 8, "save_every": 0, "lr": 1e-2},
-    }))
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    config = medusa_recipe(tmp_path, stories, examples, monkeypatch, eval_fraction=0.2, save_every=0, lr=1e-2)
 
     def run(name: str, *overrides: str) -> Path:
         assert main(["train", str(config), f"training.output_dir={tmp_path / name}", *overrides]) == 0

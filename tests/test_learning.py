@@ -138,16 +138,12 @@ class FakeRound:
 
 def test_a_learner_publishes_a_round_only_when_a_fine_tuned_step_beats_the_version_serving(
         stories, dev_prompts, trained_eagle, tmp_path):
-    from test_recording import serve
+    from test_recording import record_traffic
 
     from specgraft.heads.published import current
     from specgraft.train.learner import Learner
-    from specgraft.train.recording import TrafficRecorder
 
-    eagle = sg.load_drafter(trained_eagle, stories)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    serve(stories, dev_prompts[:6], {"eagle": eagle}, observer=recorder, drafter="eagle")
-    recorder.close()
+    record_traffic(stories, sg.load_drafter(trained_eagle, stories), tmp_path / "rec", dev_prompts[:6])
     rounds = FakeRound(trained_eagle, [(0, 12, 1.5), (0, 0, 1.25), (1, None, None)])
     learner = Learner(str(STORIES_PATH), str(trained_eagle), str(tmp_path / "rec"), str(tmp_path / "learn"), every=3,
                       train=rounds)
@@ -219,15 +215,12 @@ def test_specgraft_learn_publishes_a_real_round_and_a_learner_killed_mid_round_p
     import sys
     import time
 
-    from test_recording import serve
+    from test_recording import record_traffic
 
     from specgraft.heads.published import current
-    from specgraft.train.recording import TrafficRecorder
 
     eagle = sg.load_drafter(trained_eagle, stories)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    serve(stories, dev_prompts[:20], {"eagle": eagle}, observer=recorder, drafter="eagle")
-    recorder.close()
+    record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[:20])
     command = [sys.executable, "-m", "specgraft.cli", "learn", "--target", str(STORIES_PATH), "--head", str(trained_eagle),
                "--record", str(tmp_path / "rec"), "--out", str(tmp_path / "learn"), "--every", "8"]
     done = subprocess.run(command + ["--rounds", "1"], capture_output=True, text=True, timeout=300)
@@ -235,9 +228,7 @@ def test_specgraft_learn_publishes_a_real_round_and_a_learner_killed_mid_round_p
     assert "round for version 1: 20 recorded generations" in done.stderr
     published = current(tmp_path / "learn")  # published, or kept: either way said so
     assert (published is not None) == ("published version 1" in done.stderr)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)  # more traffic for a second round
-    serve(stories, dev_prompts[20:30], {"eagle": eagle}, observer=recorder, drafter="eagle")
-    recorder.close()
+    record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[20:30])  # more traffic for a second round
     learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

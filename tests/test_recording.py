@@ -33,6 +33,16 @@ def serve(target, prompts, drafters=None, *, observer=None, cancel=None, **optio
     return [out[h] for h in handles]
 
 
+def record_traffic(target, head, directory, prompts, **options) -> list[list[int]]:
+    """Serve ``prompts`` with ``head`` loaded as "eagle" (the requests' drafter unless ``options`` say otherwise)
+    under a recorder of its layers into ``directory``, written whole before this returns; the outputs."""
+    recorder = TrafficRecorder(directory, target, head.hidden_layers)
+    try:
+        return serve(target, prompts, {"eagle": head}, observer=recorder, **{"drafter": "eagle", **options})
+    finally:
+        recorder.close()
+
+
 def full_states(target, ids: list[int], layers) -> dict[int, torch.Tensor]:
     """The target's states at every token of ``ids`` from one plain forward: layer -> (n, H)."""
     out = target.forward(torch.tensor([ids]), target.new_cache(), torch.arange(len(ids))[None], hidden_layers=layers)
@@ -46,9 +56,7 @@ def test_recorded_generations_hold_the_tokens_run_and_the_targets_states_at_them
     prompts = dev_prompts[:3]
     options = {"drafter": "none"} if tree is None else {"drafter": "eagle", "tree": tree}
     plain = serve(stories, prompts)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    recorded = serve(stories, prompts, {"eagle": eagle}, observer=recorder, **options)
-    recorder.close()
+    recorded = record_traffic(stories, eagle, tmp_path / "rec", prompts, **options)
     assert recorded == plain  # recording changes nothing generated
     rec = Recording(tmp_path / "rec")
     assert rec.info.layers == (*sorted(set(eagle.hidden_layers) - {stories.num_layers}), stories.num_layers)
@@ -74,9 +82,7 @@ def test_sampled_generations_draw_the_same_tokens_with_a_recorder(stories, dev_p
     eagle = sg.load_drafter(trained_eagle, stories)
     options = dict(drafter="eagle", tree=sg.Chain(3), temperature=0.8, seed=7)
     alone = serve(stories, dev_prompts[:3], {"eagle": eagle}, **options)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    recorded = serve(stories, dev_prompts[:3], {"eagle": eagle}, observer=recorder, **options)
-    recorder.close()
+    recorded = record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[:3], **options)
     assert recorded == alone and len(Recording(tmp_path / "rec")) == 3
 
 
@@ -135,23 +141,16 @@ def test_sigkill_while_recording_leaves_every_shard_whole(dev_prompts, trained_e
     """A server recording a stream of requests, killed once it wrote a few shards: every shard on disk reads whole
     (its tokens, lengths and every layer's rows agree), and a temporary file it was writing is never read."""
     import signal
-    import subprocess
-    import sys
     import threading
     import time
 
     import httpx
     from safetensors import safe_open
 
-    from test_serve import free_port
+    from serve_helpers import spawn_server
 
-    port, record = free_port(), tmp_path / "rec"
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1",
-         "--drafter", f"eagle={trained_eagle}", "--default-drafter", "eagle", "--record", str(record)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    record = tmp_path / "rec"
+    proc, url = spawn_server("--drafter", f"eagle={trained_eagle}", "--default-drafter", "eagle", "--record", str(record))
     stop = threading.Event()
 
     def client(k: int) -> None:  # requests until the server dies (bounded in count and time)
@@ -165,14 +164,6 @@ def test_sigkill_while_recording_leaves_every_shard_whole(dev_prompts, trained_e
             except httpx.HTTPError:
                 return
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert proc.poll() is None, proc.stderr.read()
         clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(4)]
         for thread in clients:
             thread.start()
@@ -215,9 +206,7 @@ def test_a_batch_mixing_recorded_and_original_rows_gets_each_rows_states_as_the_
     from specgraft.train.mix import MixedFeatures, open_recordings, recorded_examples, recorded_features, with_original_share
 
     eagle = sg.load_drafter(trained_eagle, stories)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    serve(stories, dev_prompts[:4], {"eagle": eagle}, observer=recorder, drafter="eagle", tree=sg.Chain(3))
-    recorder.close()
+    record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[:4], tree=sg.Chain(3))
     recordings = open_recordings([tmp_path / "rec"])
     cut = max(len(stories.encode(p)) for p in dev_prompts[:4]) + 5  # every generation cut: a prefix of its states read
     recorded = recorded_examples(recordings, max_length=cut)
@@ -252,9 +241,7 @@ def test_specgraft_train_fine_tunes_a_head_on_a_recording_running_the_target_onl
     from specgraft.train import trainer as trainer_module
 
     eagle = sg.load_drafter(trained_eagle, stories)
-    recorder = TrafficRecorder(tmp_path / "rec", stories, eagle.hidden_layers)
-    serve(stories, dev_prompts[:12], {"eagle": eagle}, observer=recorder, drafter="eagle", tree=sg.Chain(3))
-    recorder.close()
+    record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[:12], tree=sg.Chain(3))
     text = tmp_path / "original.jsonl"
     text.write_text("".join(json.dumps({"text": p}) + "\n" for p in dev_prompts[12:40]))  # 21 trained after the held-out quarter
     config = tmp_path / "recipe.yaml"

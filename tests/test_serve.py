@@ -19,7 +19,7 @@ from specgraft.heads import load_drafter
 from specgraft.infer.serve import chat_prompt_ids, create_app
 
 from conftest import STORIES, ctrl_c_at_call, needs_shared
-from serve_helpers import Boom, ServerThread, metric
+from serve_helpers import Boom, ServerThread, metric, spawn_server
 
 openai = pytest.importorskip("openai")
 
@@ -489,35 +489,12 @@ def test_full_queue_answers_503_with_retry_after(small_server):
 # ---------------------------------------------------------------------------------------------- SIGTERM
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow  # ~25 s on 2 shared cores, nearly all of it a fresh process importing torch and loading the target
 def test_sigterm_drains_the_running_stream_and_exits_cleanly(plain, dev_prompts):
     import signal
-    import subprocess
-    import sys
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specgraft.cli", "serve", "--target", str(STORIES), "--port", str(port), "--threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc, url = spawn_server()
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert proc.poll() is None, proc.stderr.read()
         offline = plain.generate(dev_prompts[6], max_new_tokens=300, eos_token_id=())
         body = {"model": "stories260K", "prompt": dev_prompts[6], "max_tokens": 300, "temperature": 0, "stream": True,
                 "ignore_eos": True}

@@ -377,16 +377,18 @@ def test_train_fraction_trains_on_a_nested_share_and_keeps_the_held_out_split(st
     assert not key(full) & key(f_held)
 
 
-def medusa_recipe(tmp_path, stories, examples, monkeypatch) -> Path:
-    """A one-head Medusa recipe over the examples' text, run through `specgraft train` on the CPU accelerator."""
+def medusa_recipe(tmp_path, stories, examples, monkeypatch, *, eval_fraction: float = 0.0, **training) -> Path:
+    """A one-head Medusa recipe over the examples' text (``eval_fraction`` held out, ``training`` settings over the
+    defaults), run through `specgraft train` on the CPU accelerator."""
     text = tmp_path / "stories.jsonl"
     text.write_text("".join(json.dumps({"text": stories.decode(e["input_ids"])}) + "\n" for e in examples))
     config = tmp_path / "recipe.yaml"
     config.write_text(yaml.safe_dump({
         "target": {"path": stories.name},
         "head": {"type": "medusa", "num_heads": 1},
-        "data": {"train": str(text), "max_length": 32, "eval_fraction": 0.0},
-        "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8},
+        "data": {"train": str(text), "max_length": 32, "eval_fraction": eval_fraction},
+        "training": {"output_dir": str(tmp_path / "run"), "log_every": 1, "num_threads": 1, "micro_batch_size": 8,
+                     **training},
     }))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     return config
