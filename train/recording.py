@@ -10,6 +10,7 @@ forwards computed. `Recording` reads a recording directory back as training exam
     records-{run}-{n:06d}.safetensors  whole generations, written by one recorder run (``run``: its start, in ns):
                                      "input_ids" (N,), "layer.{i}" (N, H) per stored layer, the generations'
                                      rows concatenated; their lengths and prompt lengths in the metadata
+                                     (and the files they came from, for one `vllm_records` imported)
 
 Shards are written by a thread of their own, each to a temporary file renamed into place: a shard is whole or
 absent, so a server killed at any moment loses the generations not yet written (those running, and those finished
@@ -96,6 +97,56 @@ def recording_info(target: Target, hidden_layers: Sequence[int], dtype: str | No
                          _target_identity(target))
 
 
+def prepare_recording(directory: Path, info: RecordingInfo, writer: str) -> None:
+    """Make ``directory`` a recording of ``info``: write its ``recording.json``, or check the one there matches.
+
+    Raises:
+        ValueError: the directory records other layers, another dtype or another target (``writer`` names who
+            meant to write into it, in the message).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / INFO).is_file():
+        existing = RecordingInfo.read(directory)
+        if existing.key != info.key:
+            raise ValueError(
+                f"{directory} records {list(existing.layers)} in {existing.dtype} for "
+                f"{existing.target.get('name')!r}; {writer} records {list(info.layers)} in "
+                f"{info.dtype} for {info.target.get('name')!r}: record into another directory"
+            )
+    else:
+        atomic_write(directory / INFO, lambda tmp: Path(tmp).write_text(info.to_json()))
+
+
+def shard_name(run: str, number: int) -> str:
+    """A shard's file name: a writer's ``run`` (unique to it) and the shard's number in that run."""
+    return f"records-{run}-{number:06d}.safetensors"
+
+
+def write_shard(file: Path, info: RecordingInfo, input_ids: torch.Tensor, states: Mapping[int, torch.Tensor],
+                lengths: Sequence[int], prompt_lengths: Sequence[int], *, sources: Sequence[str] = ()) -> None:
+    """Write one shard of the recording ``info`` describes, whole or not at all (a temporary file renamed).
+
+    Args:
+        file: the shard's path (`shard_name` in the recording's directory).
+        input_ids: (N,) the generations' tokens, concatenated.
+        states: layer -> (N, H) for every layer of ``info``, stored in its dtype.
+        lengths: each generation's tokens, in order (they sum to N).
+        prompt_lengths: each generation's prompt tokens (not trained on).
+        sources: what the generations were read from, kept in the metadata (`vllm_records` reads it back).
+    """
+    if sum(lengths) != input_ids.shape[0] or len(lengths) != len(prompt_lengths):
+        raise ValueError(f"{len(lengths)} lengths summing to {sum(lengths)} and {len(prompt_lengths)} prompt lengths "
+                         f"for {input_ids.shape[0]} tokens")
+    tensors = {"input_ids": input_ids.cpu()}
+    for layer in info.layers:
+        tensors[f"layer.{layer}"] = states[layer].to(device="cpu", dtype=DTYPES[info.dtype]).contiguous()
+    metadata = {"key": info.key, "lengths": json.dumps(list(lengths)),
+                "prompt_lengths": json.dumps(list(prompt_lengths))}
+    if sources:
+        metadata["sources"] = json.dumps(list(sources))
+    atomic_write(file, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
 @dataclass
 class _Generation:
     """One running generation's recorded tokens and states so far, in order (device tensors until written)."""
@@ -126,22 +177,11 @@ class TrafficRecorder(StepObserver):
         self.directory = Path(directory)
         self.info = recording_info(target, hidden_layers, dtype)
         self.layers = self.info.layers
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if (self.directory / INFO).is_file():
-            existing = RecordingInfo.read(self.directory)
-            if existing.key != self.info.key:
-                raise ValueError(
-                    f"{self.directory} records {list(existing.layers)} in {existing.dtype} for "
-                    f"{existing.target.get('name')!r}; this server records {list(self.info.layers)} in "
-                    f"{self.info.dtype} for {self.info.target.get('name')!r}: record into another directory"
-                )
-        else:
-            atomic_write(self.directory / INFO, lambda tmp: Path(tmp).write_text(self.info.to_json()))
+        prepare_recording(self.directory, self.info, "this server")
         self.run = f"{time.time_ns():x}"
         self.shards_written = 0
         self.generations_written = 0
         self.error: BaseException | None = None  # the writer's failure: recording stops, serving goes on
-        self._dtype = DTYPES[self.info.dtype]
         self._running: dict[int, _Generation] = {}
         self._finished: queue.SimpleQueue[_Generation | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="specgraft-recorder", daemon=True)
@@ -197,14 +237,9 @@ class TrafficRecorder(StepObserver):
 
     def _write(self, generations: list[_Generation]) -> None:
         tokens = [torch.cat(g.tokens).cpu() for g in generations]
-        tensors = {"input_ids": torch.cat(tokens)}
-        for layer in self.layers:
-            tensors[f"layer.{layer}"] = torch.cat(
-                [s[layer] for g in generations for s in g.states]).to(device="cpu", dtype=self._dtype)
-        metadata = {"key": self.info.key, "lengths": json.dumps([len(t) for t in tokens]),
-                    "prompt_lengths": json.dumps([g.prompt_length for g in generations])}
-        name = f"records-{self.run}-{self.shards_written:06d}.safetensors"
-        atomic_write(self.directory / name, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        states = {layer: torch.cat([s[layer] for g in generations for s in g.states]) for layer in self.layers}
+        write_shard(self.directory / shard_name(self.run, self.shards_written), self.info, torch.cat(tokens), states,
+                    [len(t) for t in tokens], [g.prompt_length for g in generations])
         self.shards_written += 1
         self.generations_written += len(generations)
 
