@@ -316,3 +316,80 @@ def test_regeneration_through_vllm_serve_resumes_after_sigkill(smollm2, smollm2_
     reference = tmp_path / "reference.jsonl"
     regenerate(smollm2, inputs, reference, max_new_tokens=REGEN_NEW_TOKENS, temperature=0, dedupe=False, progress=False)
     assert records(out) == records(reference)
+
+
+# -- vLLM's extract_hidden_states, imported as a recording -----------------------------------------------------------
+
+# EAGLE-3's taps on 8 layers (2, 4, 5) and the last layer (its output before the final norm, which the import
+# applies), in no order: vLLM stores them ascending.
+EXTRACTED = [8, 2, 5, 4]
+
+
+def test_vllms_extracted_states_import_as_a_recording_specgraft_trains_on(vllm_python, target_dir, target, prompts,
+                                                                          tmp_path, monkeypatch):
+    """vLLM serves with extract_hidden_states (its CPU build needs `vllm_hidden_states_cpu`'s copy; see there), the
+    files import as a recording whose states equal the target's own at every token, and specgraft train runs on it."""
+    import json
+    import shutil
+
+    import yaml
+
+    from conftest import STORIES
+    from specgraft.cli import main
+    from specgraft.train.data import collate
+    from specgraft.train.recording import Recording
+
+    states_dir, rec = tmp_path / "vllm-states", tmp_path / "rec"
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": EXTRACTED}}}
+    connector = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "vllm_hidden_states_cpu",
+                 "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(states_dir)}}
+    # A prompt longer than vLLM's 128-token CPU block, then one sharing it: the second reads the first's cached block.
+    long = [1, *torch.randint(3, VOCAB, (150,), generator=torch.Generator().manual_seed(5)).tolist()]
+    batches = [prompts, [long], [long + [7, 9, 11]]]
+    kv = {"include_output_tokens": True}  # the generated tokens' states too, not the prompt's alone
+    with VLLMEngine(target_dir, python=vllm_python, core=0, enforce_eager=True, skip_tokenizer_init=True,
+                    max_model_len=512, kv_cache_gib=1, speculative_config=spec, kv_transfer_config=connector) as engine:
+        calls = [engine.generate(batch, NEW_TOKENS, kv_transfer_params=kv) for batch in batches]
+        # (imported while vLLM runs: a file written moments after its answer is waited for by its lock)
+        requests = [(p, out, params["hidden_states_path"]) for batch, call in zip(batches, calls)
+                    for p, out, params in zip(batch, call.token_ids, call.kv_transfer_params)]
+        (states_dir / "requests.jsonl").write_text("".join(
+            json.dumps({"hidden_states_path": path, "prompt_tokens": len(p)}) + "\n" for p, _, path in requests))
+        assert main(["import-records", str(states_dir), str(rec), "--target", str(target_dir),
+                     "--layers", ",".join(map(str, EXTRACTED))]) == 0
+
+    ours = sg.SpeculativeGenerator(target, None).generate_batch(prompts, max_new_tokens=NEW_TOKENS, eos_token_id=())
+    assert calls[0].token_ids == [o.token_ids for o in ours]  # extracting leaves vLLM's decoding as it was
+    recording = Recording(rec)
+    assert recording.info.layers == (2, 4, 5, 8) and len(recording) == len(requests)
+    features = recording.features(target, [2, 4, 5])
+    for index, (example, (prompt, output, _)) in enumerate(zip(recording.examples(), requests)):
+        assert example["input_ids"] == prompt + output[:-1]  # every token vLLM ran; the last one none did
+        assert example["loss_mask"] == [0] * len(prompt) + [1] * (len(output) - 1)
+        got = features.batch([index], collate([example], pad_token_id=0))
+        ids = example["input_ids"]
+        want = target.forward(torch.tensor([ids]), target.new_cache(), torch.arange(len(ids))[None],
+                              hidden_layers=(2, 4, 5, 8))
+        for layer in (2, 4, 5):
+            torch.testing.assert_close(got.hidden[layer][0], want.hidden[layer][0], atol=1e-5, rtol=1e-5)
+        logits = target.model.get_output_embeddings()(want.hidden[8][0]).float()  # from the final-norm state
+        torch.testing.assert_close(got.target_logits[0], logits, atol=1e-4, rtol=1e-4)
+
+    if not STORIES.is_dir():
+        pytest.skip(f"../shared assets are absent ({STORIES} not found): training needs a tokenizer")
+    with_tokenizer = tmp_path / "tiny-llama-hd64-tok"  # the same 512 ids as stories260K's tokenizer
+    shutil.copytree(target_dir, with_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / name, with_tokenizer / name)
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"path": str(with_tokenizer)},
+        "head": {"type": "eagle3", "aux_layers": [2, 4, 5], "draft_vocab_size": 256, "ttt_length": 2},
+        "data": {"recorded": [str(rec)], "max_length": 64, "eval_fraction": 0.25},
+        "training": {"output_dir": str(tmp_path / "out"), "num_threads": 1, "micro_batch_size": 2, "max_steps": 2,
+                     "save_every": 0, "log_every": 1, "epochs": 1},
+    }))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert main(["train", str(config)]) == 0
+    assert (tmp_path / "out" / "best" / "best.json").is_file()

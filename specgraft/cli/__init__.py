@@ -294,6 +294,18 @@ def cmd_import_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_records(args: argparse.Namespace) -> int:
+    check_directory(args.vllm_dir, "vllm_dir")
+    check_model(args.target, "--target")
+    from specgraft.model import load_target
+    from specgraft.train.vllm_records import import_vllm_records
+
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    report = import_vllm_records(args.vllm_dir, args.out_dir, target, args.layers, index=args.requests)
+    print(report.summary(Path(args.vllm_dir), Path(args.out_dir)))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if not args.server:  # against a server, --drafter names one of its drafters and there is no --target
         for spec in args.drafter + [drafter for drafter, _ in args.method]:
@@ -501,6 +513,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object], Call
     "export": ("write a trained head in vLLM, SGLang, EAGLE or Medusa format", flags.add_export_arguments, cmd_export),
     "import-head": ("read an official EAGLE, EAGLE-3, Medusa or DFlash checkpoint", flags.add_import_arguments,
                     cmd_import_head),
+    "import-records": ("turn the hidden states vLLM's extract_hidden_states wrote into a recording to train on",
+                       flags.add_import_records_arguments, cmd_import_records),
     "bench": ("benchmark drafters and trees against baselines in one interleaved run", flags.add_bench_arguments,
               cmd_bench),
     "serve": ("an OpenAI-compatible server with continuous batching", flags.add_serve_arguments, cmd_serve),

@@ -223,6 +223,30 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def parse_layer_ids(value: str) -> list[int]:
+    """A ``--layers`` value: comma-separated layer ids, such as 2,15,27,30 (argparse ``type=``)."""
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a comma-separated list of layer ids, such as 2,15,27,30") from None
+
+
+def add_import_records_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``specgraft import-records``."""
+    parser.add_argument("vllm_dir", help="vLLM's shared_storage_path: the files its extract_hidden_states wrote")
+    parser.add_argument("out_dir", help="the recording to write (new, or one an earlier import wrote)")
+    parser.add_argument("--target", required=True, help="the target vLLM served: its directory or hub id")
+    parser.add_argument("--layers", required=True, type=parse_layer_ids, metavar="IDS",
+                        help="the eagle_aux_hidden_state_layer_ids vLLM was given (they must hold the last layer)")
+    parser.add_argument("--requests", default=None, metavar="JSONL",
+                        help='the index: one {"hidden_states_path": ..., "prompt_tokens": ...} a request '
+                             "(default: VLLM_DIR/requests.jsonl)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype, and the recording's")
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype, --device and --threads: how the target runs."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES)

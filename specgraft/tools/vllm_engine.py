@@ -129,6 +129,7 @@ class VLLMCall:
     ttft_s: list[float | None] = field(default_factory=list)
     decode_s: list[float | None] = field(default_factory=list)
     histograms: list[list[int] | None] = field(default_factory=list)  # per request: [j] = steps that accepted j
+    kv_transfer_params: list[dict[str, Any] | None] = field(default_factory=list)  # per request, its KV connector's
 
     def outputs(self) -> list[VLLMOutput]:
         """Each request with `GenerationStats`: tokens, steps and accepted lengths from vLLM's per-request histogram
@@ -220,13 +221,15 @@ class VLLMEngine:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, *, temperature: float = 0.0, ignore_eos: bool = True,
-        seed: int | None = None,
+        seed: int | None = None, kv_transfer_params: dict[str, Any] | None = None,
     ) -> VLLMCall:
-        """All ``prompts`` (token ids) in one ``LLM.generate`` call."""
+        """All ``prompts`` (token ids) in one ``LLM.generate`` call (each sent ``kv_transfer_params``, for an engine
+        with a KV connector)."""
         answer = self._ask({"op": "generate", "prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens,
-                            "temperature": temperature, "ignore_eos": ignore_eos, "seed": seed})
+                            "temperature": temperature, "ignore_eos": ignore_eos, "seed": seed,
+                            "kv_transfer_params": kv_transfer_params})
         return VLLMCall(answer["token_ids"], answer["wall_s"], answer["spec"], answer["ttft_s"], answer["decode_s"],
-                        answer["histograms"])
+                        answer["histograms"], answer["kv_transfer_params"])
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                        eos_token_id: Sequence[int] | None = None) -> list[VLLMOutput]:

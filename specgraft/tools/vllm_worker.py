@@ -16,6 +16,8 @@ request, answered by one line:
   ``decode_s``, and ``spec``: the spec-decode counters this call added (vLLM's ``spec_decode_num_drafts``,
   ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``); with speculation and
   ``per_request_spec_decode_metrics`` on, each request's ``histograms`` (steps by accepted drafts: [j] accepted j).
+  With ``"kv_transfer_params": {...}`` (a KV connector's, e.g. ``{"include_output_tokens": true}``), every request
+  is sent them, and each one's ``kv_transfer_params`` as the connector answered comes back.
 - ``{"op": "start_profile"}`` and ``{"op": "stop_profile"}``: ``LLM``'s torch profiler, for an engine configured
   with ``profiler_config`` (it writes its traces and an op table there).
 
@@ -68,11 +70,13 @@ def generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    kv_transfer_params = request.get("kv_transfer_params")  # a KV connector's, for every request of the call
     params = SamplingParams(
         temperature=request.get("temperature", 0.0),
         max_tokens=request["max_tokens"],
         ignore_eos=request.get("ignore_eos", True),
         seed=request.get("seed"),
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in request["prompts"]]
     before = spec_counters(llm)
@@ -80,7 +84,8 @@ def generate(llm, request: dict) -> dict:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     answer = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "wall_s": wall,
-              "spec": difference(spec_counters(llm), before), "ttft_s": [], "decode_s": [], "histograms": []}
+              "spec": difference(spec_counters(llm), before), "ttft_s": [], "decode_s": [], "histograms": [],
+              "kv_transfer_params": [o.kv_transfer_params for o in outputs]}
     for o in outputs:
         m = o.metrics  # RequestStateStats: engine-core timestamps, monotonic
         answer["ttft_s"].append(getattr(m, "first_token_latency", None) if m else None)
