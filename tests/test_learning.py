@@ -208,12 +208,15 @@ def test_a_server_swaps_in_each_published_version_and_its_output_stays_the_targe
         server.stop()
 
 
-def test_specgraft_learn_publishes_a_real_round_and_a_learner_killed_mid_round_publishes_nothing(
+def test_specgraft_learn_publishes_a_real_round_and_a_learner_killed_or_stopped_mid_round_publishes_nothing(
         stories, dev_prompts, trained_eagle, tmp_path):
+    import os
+    import shutil
     import signal
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     from test_recording import record_traffic
 
@@ -229,14 +232,30 @@ def test_specgraft_learn_publishes_a_real_round_and_a_learner_killed_mid_round_p
     published = current(tmp_path / "learn")  # published, or kept: either way said so
     assert (published is not None) == ("published version 1" in done.stderr)
     record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[20:30])  # more traffic for a second round
-    learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while not list((tmp_path / "learn" / "rounds").glob("r*-30/run/*")) and time.monotonic() < deadline:
-            time.sleep(0.05)  # its round's training began
-        learner.send_signal(signal.SIGKILL)
-        learner.wait(10)
-    finally:
-        if learner.poll() is None:
-            learner.kill()
-    assert current(tmp_path / "learn") == published
+    for stop in (signal.SIGKILL, signal.SIGTERM):  # killed, then stopped as serve stops it, mid-round
+        shutil.rmtree(tmp_path / "learn" / "rounds", ignore_errors=True)
+        learner = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rounds = []  # the round's own training process
+        try:
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / "learn" / "rounds").glob("r*-30/run/*")) and time.monotonic() < deadline:
+                time.sleep(0.05)  # its round's training began
+            rounds = [int(pid) for pid in Path(f"/proc/{learner.pid}/task/{learner.pid}/children").read_text().split()]
+            assert rounds
+            learner.send_signal(stop)
+            learner.wait(30)
+            if stop == signal.SIGTERM:  # its round stops with it
+                deadline = time.monotonic() + 30
+                while any(Path(f"/proc/{pid}").exists() for pid in rounds) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+                               for pid in rounds)
+        finally:
+            if learner.poll() is None:
+                learner.kill()
+            for pid in rounds:  # (a killed learner's round is an orphan: the test stops it)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert current(tmp_path / "learn") == published

@@ -148,6 +148,13 @@ def _initial_tau(metrics: Path) -> float | None:
 
 
 def _specgraft_train(config_file: Path) -> int:
+    """``specgraft train`` of a round's config in a process of its own; a learner stopped meanwhile stops it too."""
     with open(config_file.with_name("train.log"), "w") as log_file:
-        return subprocess.call([sys.executable, "-m", "specgraft.cli", "train", str(config_file)],
-                               stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "specgraft.cli", "train", str(config_file)],
+                                stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)

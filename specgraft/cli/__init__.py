@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -410,6 +411,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from specgraft.train.learner import Learner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # serve stops its learner with SIGTERM: leave through the round's cleanup, which stops the round's training
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     learner = Learner(args.target, args.head, args.record, args.out, config=args.config, every=args.every,
                       threads=args.threads)
     learner.run(rounds=args.rounds)
