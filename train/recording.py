@@ -12,7 +12,9 @@ forwards computed. `Recording` reads a recording directory back as training exam
                                      rows concatenated; their lengths and prompt lengths in the metadata
                                      (and the files they came from, for one `vllm_records` imported)
 
-Shards are written by a thread of their own, each to a temporary file renamed into place: a shard is whole or
+The engine's thread copies finished generations into a shard's tensors (whenever the writer is idle, so that what
+finishes meanwhile joins the next shard) and a thread of its own writes the file, to a temporary file renamed into
+place (torch ops on a second thread would run a thread team of their own beside the engine's): a shard is whole or
 absent, so a server killed at any moment loses the generations not yet written (those running, and those finished
 in the last moments), never a shard. Several servers may record into one directory, each with its own ``run``.
 
@@ -39,7 +41,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from specgraft.heads.checkpoint import atomic_write
-from specgraft.infer.observer import Admitted, Committed, Left, StepObserver
+from specgraft.infer.observer import Admitted, Committed, Left, StepObserver, Stepped
 from specgraft.model import Target
 from specgraft.model.target import DTYPES
 from specgraft.train.feature_cache import (
@@ -49,7 +51,7 @@ from specgraft.train.feature_cache import (
 INFO = "recording.json"
 FORMAT_VERSION = 1
 SHARD_PATTERN = "records-*.safetensors"
-SHARD_BYTES = 256 * 2**20  # most feature bytes a shard gathers: a writer that fell behind writes several
+SHARD_BYTES = 256 * 2**20  # most feature bytes a shard gathers while the writer is busy
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,13 @@ def write_shard(file: Path, info: RecordingInfo, input_ids: torch.Tensor, states
         prompt_lengths: each generation's prompt tokens (not trained on).
         sources: what the generations were read from, kept in the metadata (`vllm_records` reads it back).
     """
+    save_shard(file, *shard_contents(info, input_ids, states, lengths, prompt_lengths, sources=sources))
+
+
+def shard_contents(info: RecordingInfo, input_ids: torch.Tensor, states: Mapping[int, torch.Tensor],
+                   lengths: Sequence[int], prompt_lengths: Sequence[int], *, sources: Sequence[str] = (),
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A shard's tensors (on the CPU, in the recording's dtype) and metadata (see `write_shard`)."""
     if sum(lengths) != input_ids.shape[0] or len(lengths) != len(prompt_lengths):
         raise ValueError(f"{len(lengths)} lengths summing to {sum(lengths)} and {len(prompt_lengths)} prompt lengths "
                          f"for {input_ids.shape[0]} tokens")
@@ -144,7 +153,13 @@ def write_shard(file: Path, info: RecordingInfo, input_ids: torch.Tensor, states
                 "prompt_lengths": json.dumps(list(prompt_lengths))}
     if sources:
         metadata["sources"] = json.dumps(list(sources))
-    atomic_write(file, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return tensors, metadata
+
+
+def save_shard(file: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """The file of a shard's contents, whole or not at all. No tensor op: a writer thread calls it (a torch op there
+    would start a thread team of its own beside the engine's, and cost the engine a quarter of its speed here)."""
+    atomic_write(file, lambda tmp: save_file(dict(tensors), tmp, metadata=dict(metadata)))
 
 
 @dataclass
@@ -179,11 +194,15 @@ class TrafficRecorder(StepObserver):
         self.layers = self.info.layers
         prepare_recording(self.directory, self.info, "this server")
         self.run = f"{time.time_ns():x}"
+        self._handed = 0  # shards handed to the writer
         self.shards_written = 0
         self.generations_written = 0
         self.error: BaseException | None = None  # the writer's failure: recording stops, serving goes on
         self._running: dict[int, _Generation] = {}
-        self._finished: queue.SimpleQueue[_Generation | None] = queue.SimpleQueue()
+        self._pending: list[_Generation] = []  # finished, not yet handed to the writer
+        self._idle = threading.Event()  # the writer has nothing to write
+        self._idle.set()
+        self._shards: queue.SimpleQueue[tuple[Path, dict, dict, int] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="specgraft-recorder", daemon=True)
         self._writer.start()
 
@@ -207,41 +226,49 @@ class TrafficRecorder(StepObserver):
         generation = self._running.pop(row.handle, None)
         # (a generation that ended at its first token ran no token of its own: nothing to learn)
         if generation is not None and row.finished and len(generation.tokens) > 1 and self.error is None:
-            self._finished.put(generation)
+            self._pending.append(generation)
+            self._hand_over()
+
+    def stepped(self, step: Stepped) -> None:
+        if self._pending:
+            self._hand_over()
 
     def close(self, timeout: float | None = None) -> None:
-        """Write every finished generation and stop the writer (its thread is joined)."""
-        self._finished.put(None)
+        """Write every finished generation and stop the writer (its thread is joined). Call it from the thread that
+        steps the scheduler, or once it stopped."""
+        self._hand_over(force=True)
+        self._shards.put(None)
         self._writer.join(timeout)
+
+    def _hand_over(self, force: bool = False) -> None:
+        """The finished generations as one shard's contents, made on this thread (a memory copy), for the writer to
+        write: whenever it is idle (or ``force``), so that what finishes while it writes joins the next shard."""
+        if not self._pending or self.error is not None:
+            return
+        waiting = sum(t.numel() for g in self._pending for t in g.tokens) * len(self.layers) * self.info.hidden_size
+        if not (force or self._idle.is_set() or waiting * DTYPES[self.info.dtype].itemsize >= SHARD_BYTES):
+            return
+        generations, self._pending = self._pending, []
+        tokens = [torch.cat(g.tokens) for g in generations]
+        states = {layer: torch.cat([s[layer] for g in generations for s in g.states]) for layer in self.layers}
+        contents = shard_contents(self.info, torch.cat(tokens), states, [len(t) for t in tokens],
+                                  [g.prompt_length for g in generations])
+        self._idle.clear()
+        self._shards.put((self.directory / shard_name(self.run, self._handed), *contents, len(generations)))
+        self._handed += 1
 
     # ------------------------------------------------------------------ the writer's thread
 
     def _write_loop(self) -> None:
-        done = False
-        while not done:
-            batch = [self._finished.get()]
-            size = 0
-            while batch[-1] is not None and size < SHARD_BYTES:  # whatever else finished meanwhile joins the shard
-                size += sum(t.numel() for t in batch[-1].tokens) * len(self.layers) * self.info.hidden_size
-                try:
-                    batch.append(self._finished.get_nowait())
-                except queue.Empty:
-                    break
-            done = batch[-1] is None
-            generations = [g for g in batch if g is not None]
-            if generations and self.error is None:
-                try:
-                    self._write(generations)
-                except Exception as err:  # a full disk, say: recording stops, serving goes on
-                    self.error = err
-
-    def _write(self, generations: list[_Generation]) -> None:
-        tokens = [torch.cat(g.tokens).cpu() for g in generations]
-        states = {layer: torch.cat([s[layer] for g in generations for s in g.states]) for layer in self.layers}
-        write_shard(self.directory / shard_name(self.run, self.shards_written), self.info, torch.cat(tokens), states,
-                    [len(t) for t in tokens], [g.prompt_length for g in generations])
-        self.shards_written += 1
-        self.generations_written += len(generations)
+        while (item := self._shards.get()) is not None:
+            file, tensors, metadata, count = item
+            try:
+                save_shard(file, tensors, metadata)
+                self.shards_written += 1
+                self.generations_written += count
+            except Exception as err:  # a full disk, say: recording stops, serving goes on
+                self.error = err
+            self._idle.set()
 
 
 @dataclass(frozen=True)
