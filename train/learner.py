@@ -45,8 +45,7 @@ def round_config(base: dict[str, Any] | None, target: str, head: str | Path, rec
     cfg.setdefault("target", {})["path"] = target
     data = cfg.setdefault("data", {})
     data["recorded"] = [str(record)]
-    data.setdefault("eval_fraction", EVAL_FRACTION)
-    if not data.get("eval_fraction"):
+    if not data.get("eval_fraction"):  # (absent or 0: a round needs held-out traffic to judge it)
         data["eval_fraction"] = EVAL_FRACTION
     training = cfg.setdefault("training", {})
     training.update(init_from=str(head), output_dir=str(output_dir), resume="never", save_every=0, features="online")
