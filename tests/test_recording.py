@@ -219,7 +219,7 @@ def test_a_batch_mixing_recorded_and_original_rows_gets_each_rows_states_as_the_
     def online(indices, batch):
         return target_batch(stories, batch, layers)
 
-    features = MixedFeatures(mixed, recorded_features(recordings, stories, layers, logits=True), online)
+    features = MixedFeatures(mixed, recorded_features(stories, layers, logits=True), online)
     rows = [5, 0, 4, 2]  # original, recorded, original, recorded
     batch = collate([mixed[i] for i in rows], pad_token_id=0)
     got, want = features.batch(rows, batch), target_batch(stories, batch, layers)

@@ -26,14 +26,15 @@ RECORDED = "recorded"  # an example's key: (recording, index in it), for example
 
 def recorded_examples(recordings: Sequence[Recording], max_length: int) -> list[dict[str, Any]]:
     """Every recorded generation as a training example, cut to ``max_length`` tokens, tagged with where its states
-    are (``example["recorded"] = (k, i)``: recording k's example i). Generations with nothing trained left after
-    the cut are dropped."""
+    are (``example["recorded"] = (recording, i)``: that recording's example i, so that training reads the very
+    recording read here, whatever a server recording into its directory added since). Generations with nothing
+    trained left after the cut are dropped."""
     out = []
-    for k, recording in enumerate(recordings):
+    for recording in recordings:
         for i, example in enumerate(recording.examples()):
             ids, mask = example["input_ids"][:max_length], example["loss_mask"][:max_length]
             if any(mask):
-                out.append({"input_ids": ids, "loss_mask": mask, RECORDED: (k, i)})
+                out.append({"input_ids": ids, "loss_mask": mask, RECORDED: (recording, i)})
     return out
 
 
@@ -66,21 +67,27 @@ class MixedFeatures:
 
     Args:
         examples: the training examples the trainer's indices refer to.
-        recorded: each recording's states (``Recording.features``), indexed as ``example["recorded"]`` says.
+        recorded: a recording -> its states as a feature source (`recorded_features`), for the recordings that
+            ``example["recorded"]`` names.
         original: the features of the other examples: a function of (indices, collated batch), the indices the
             positions of those examples among the non-recorded ones, in order (what an offline cache of them holds).
     """
 
-    def __init__(self, examples: Sequence[Mapping[str, Any]], recorded: Sequence[FeatureSource],
+    def __init__(self, examples: Sequence[Mapping[str, Any]], recorded: Callable[[Recording], FeatureSource],
                  original: FeatureSource) -> None:
-        self.sources = [*recorded, original]
+        self.sources = [original]
+        numbers: dict[int, int] = {}  # id of a recording -> its source
         self.route: list[tuple[int, int]] = []  # example -> (source, index in it)
         count = 0
         for example in examples:
             if RECORDED in example:
-                self.route.append(tuple(example[RECORDED]))
+                recording, i = example[RECORDED]
+                if id(recording) not in numbers:
+                    numbers[id(recording)] = len(self.sources)
+                    self.sources.append(recorded(recording))
+                self.route.append((numbers[id(recording)], i))
             else:
-                self.route.append((len(recorded), count))
+                self.route.append((0, count))
                 count += 1
 
     def batch(self, indices: Sequence[int], batch: Mapping[str, torch.Tensor]) -> TrainBatch:
@@ -130,7 +137,6 @@ def open_recordings(paths: Sequence[str | Path]) -> list[Recording]:
     return recordings
 
 
-def recorded_features(recordings: Sequence[Recording], target: Target, hidden_layers: Sequence[int],
-                      logits: bool) -> list[FeatureSource]:
-    """Each recording's states as a feature source (their generations may be cut to ``data.max_length``)."""
-    return [r.features(target, hidden_layers, logits=logits, prefixes=True).batch for r in recordings]
+def recorded_features(target: Target, hidden_layers: Sequence[int], logits: bool) -> Callable[[Recording], FeatureSource]:
+    """A recording -> its states as a feature source (its generations may be cut to ``data.max_length``)."""
+    return lambda recording: recording.features(target, hidden_layers, logits=logits, prefixes=True).batch

@@ -67,7 +67,7 @@ from specgraft.model import Target
 from specgraft.progress import progress_bar
 from specgraft.train.feature_cache import FeatureCache, extract_features, features_dir
 from specgraft.train.features import target_batch
-from specgraft.train.mix import RECORDED, MixedFeatures, open_recordings, recorded_features
+from specgraft.train.mix import RECORDED, MixedFeatures, recorded_features
 
 log = logging.getLogger(__name__)
 
@@ -321,8 +321,7 @@ class Trainer:
                 return target_batch(self.target, batch, self.head.hidden_layers, logits)
         if not recorded:
             return source
-        recordings = recorded_features(open_recordings(self.cfg.data.recorded), self.target, self.head.hidden_layers,
-                                       logits)
+        recordings = recorded_features(self.target, self.head.hidden_layers, logits)
         return MixedFeatures(self.train_data, recordings, source).batch
 
     def _feature_cache(self, examples: Sequence[Mapping[str, Any]]) -> FeatureCache:
