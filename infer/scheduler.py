@@ -486,7 +486,7 @@ class Scheduler:
             states = _copied({i: out.hidden[i][0] for i in recorded}) if recorded else None
             self.observers.admitted(Admitted(request, states))
         if request.drafter is not None:
-            hidden = {i: h[0] for i, h in out.hidden.items()}
+            hidden = {i: out.hidden[i][0] for i in request.hidden_layers}  # (not the states only observers read)
             draft_pool = self.draft_pools.get(request.drafter_name)
             if draft_pool is not None:
                 request.draft_row, draft_cache = draft_pool.acquire()
@@ -696,7 +696,8 @@ class Scheduler:
 
                 def forward(request=request, tree=tree, prefix=prefix):
                     mask = None if tree.is_chain else tree_attention_mask(tree, prefix, self.target.dtype)
-                    layers = tuple(sorted({*request.hidden_layers, *self.observers.layers}))
+                    layers = (tuple(sorted({*request.hidden_layers, *self.observers.layers})) if self.observers.layers
+                              else request.hidden_layers)
                     out = self.target.forward(tree.tokens[None], request.cache, tree_position_ids(tree, prefix), mask,
                                               hidden_layers=layers)
                     return RowForward(out.logits[0], out.hidden, 0)  # (1, N, H) each
