@@ -378,6 +378,26 @@ class DFlashDrafter:
             state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward
         return head.logits(out[:, 1 : depth + 1]).float().log_softmax(-1)  # slot k drafts depth k
 
+    def adopt(self, other: DFlashDrafter) -> None:
+        """Draft with ``other``'s head from now on: a new version of this one's (same config, so the same block, mask
+        token and target layers), loaded beforehand (`load_drafter`). One assignment, so a caller between steps swaps
+        the whole head at once.
+
+        Running generations keep their states: their draft caches (and a scheduler's rows from `new_rows`, whose
+        shapes the new head shares) hold the context keys and values the previous head projected for the tokens
+        before the swap, which the new head attends to as its own; what they commit from then on the new head
+        projects. Their drafts may be weaker until they end, never wrong: verification decides every token.
+
+        Raises:
+            ValueError: a head of another type or shape (naming the fields), or one that reads other target layers.
+        """
+        from specgraft.heads.loading import check_new_version
+
+        if not isinstance(other, DFlashDrafter):
+            raise ValueError(f"a DFlash drafter cannot adopt a {type(other).__name__}")
+        check_new_version(self.head, other.head)
+        self.head = other.head
+
     def _catch_up(self, states: list[DFlashDraftState]) -> None:
         """Project the committed states no cache holds yet into every layer's context keys and values."""
         waiting = [(s, s.take_pending()) for s in states]

@@ -174,14 +174,11 @@ class FeatureDrafter:
         Raises:
             ValueError: a head of another type or shape (naming the fields), or one that reads other target layers.
         """
-        from specgraft.heads.loading import check_same_head
+        from specgraft.heads.loading import check_new_version
 
         if not isinstance(other, FeatureDrafter):
             raise ValueError(f"a {type(self.head).__name__} drafter cannot adopt a {type(other).__name__}")
-        check_same_head(other.head.config, self.head.config, "the new head")
-        if tuple(other.hidden_layers) != tuple(self.hidden_layers):
-            raise ValueError(f"the new head reads target layers {list(other.hidden_layers)}, this one "
-                             f"{list(self.hidden_layers)}")
+        check_new_version(self.head, other.head)
         self.head = other.head
 
 

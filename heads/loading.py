@@ -117,6 +117,16 @@ def check_same_head(saved: HeadConfig, built: HeadConfig, where: str) -> None:
         )
 
 
+def check_new_version(head: nn.Module, new: nn.Module) -> None:
+    """Raise unless ``new`` may replace the drafting head ``head`` between two steps (a drafter's ``adopt``): a head of
+    its type and shape (`check_same_head`, naming the fields) that reads the same target layers, so the states its
+    drafter's generations hold and the draft cache rows a scheduler allocated for it fit the new head too."""
+    check_same_head(new.config, head.config, "the new head")
+    if tuple(new.hidden_layers) != tuple(head.hidden_layers):
+        raise ValueError(f"the new head reads target layers {list(new.hidden_layers)}, this one "
+                         f"{list(head.hidden_layers)}")
+
+
 def as_drafter(head: nn.Module, target: Target) -> Drafter:
     """The drafter view of a trainable head module (shares its weights)."""
     if isinstance(head, MedusaHeads):

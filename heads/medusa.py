@@ -118,6 +118,23 @@ class MedusaDrafter:
         logp = self.heads(hidden, num_heads=max(depths)).float().log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
         return grow_by_depth(requests, logp.transpose(0, 1))  # policies cap a request's depth at their own
 
+    def adopt(self, other: MedusaDrafter) -> None:
+        """Draft with ``other``'s heads from now on: a new version of these (same config and target layer), loaded
+        beforehand (`load_drafter`). One assignment, so a caller between steps swaps all K heads at once.
+
+        Running generations keep their states: a state holds only the target's hidden state and this drafter (never
+        the heads), so its next draft runs the new heads.
+
+        Raises:
+            ValueError: heads of another type or shape (naming the fields), or ones that read another target layer.
+        """
+        from specgraft.heads.loading import check_new_version
+
+        if not isinstance(other, MedusaDrafter):
+            raise ValueError(f"a Medusa drafter cannot adopt a {type(other).__name__}")
+        check_new_version(self.heads, other.heads)
+        self.heads = other.heads
+
 
 class MedusaDraftState:
     """One generation's Medusa state: the target's hidden state at its last cached token."""

@@ -10,7 +10,8 @@ import torch
 
 import specgraft as sg
 from specgraft.heads import as_drafter, build_head
-from specgraft.heads.configs import EagleConfig
+from specgraft.heads.configs import DFlashConfig, EagleConfig, MedusaConfig
+from specgraft.heads.medusa import MedusaDrafter
 from specgraft.infer import Tokens
 from conftest import STORIES as STORIES_PATH
 from test_scheduler import small_vocab_pair  # noqa: F401  (a fixture)
@@ -95,6 +96,103 @@ def test_a_head_of_another_shape_or_kind_is_refused_and_the_drafter_keeps_its_ow
     with pytest.raises(KeyError, match="no drafter 'nope'"):
         sched.adopt("nope", drafter)
     assert drafter.head is head
+
+
+# ---------------------------------------------------------------------------------------------- Medusa and DFlash
+
+BLOCK_HEADS = {"medusa": MedusaConfig(num_heads=3), "dflash": DFlashConfig(block_size=5, num_anchors=16)}
+
+
+def head_version(kind: str, target, seed: int):
+    """A drafter of the ``kind`` head above with seeded random weights: a version that drafts badly (a fresh Medusa
+    head's blocks are zero, so every head would be the target's own lm_head: each weight moves by noise)."""
+    torch.manual_seed(seed)
+    head = build_head(BLOCK_HEADS[kind], target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return as_drafter(head, target)
+
+
+@pytest.fixture(scope="module")
+def fitted_block_heads(stories):
+    """kind -> a drafter of that head fitted for a second to 16 greedy stories (a version that drafts some tokens)."""
+    from toy_train import fit, greedy_examples
+
+    examples = greedy_examples(stories, 16, 48)
+    torch.manual_seed(0)
+    return {kind: as_drafter(fit(build_head(config, stories), stories, examples, steps=60, lr=1e-2), stories)
+            for kind, config in BLOCK_HEADS.items()}
+
+
+@pytest.mark.parametrize("tree", [sg.Chain(4), TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["medusa", "dflash"])
+def test_greedy_output_stays_the_targets_while_a_medusa_or_dflash_head_changes_every_step(
+        stories, dev_prompts, fitted_block_heads, kind, tree):
+    plain = sg.SpeculativeGenerator(stories, None)
+    versions = [head_version(kind, stories, 1), fitted_block_heads[kind], head_version(kind, stories, 2)]
+    sched = sg.Scheduler(stories, {kind: head_version(kind, stories, 3)}, max_batch_size=4, max_len=256)
+    handles = [sched.submit(p, 40, drafter=kind, tree=tree) for p in dev_prompts[:4]]
+    out = swapping(sched, versions, name=kind)
+    for handle, prompt in zip(handles, dev_prompts[:4]):
+        assert out[handle] == plain.generate(prompt, max_new_tokens=40).token_ids
+    assert sched.counters.accepted_tokens > 0  # the fitted version's steps accepted drafts
+
+
+def head_of(drafter):
+    """The head module a Medusa or DFlash drafter drafts with."""
+    return drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
+
+
+@pytest.mark.parametrize("kind", ["medusa", "dflash"])
+def test_a_medusa_or_dflash_drafter_drafts_with_the_weights_it_adopted(stories, dev_prompts, kind):
+    """A generation started before the swap drafts what a drafter built on the new head drafts: nothing of the old
+    head (its weights or a form of them) stays in the drafter or in the generation's state."""
+    from test_recording import full_states
+
+    old, new = head_version(kind, stories, 1), head_version(kind, stories, 2)
+    ids = torch.tensor(stories.encode(dev_prompts[0]))
+    hidden = full_states(stories, ids.tolist(), old.hidden_layers)
+
+    def draft(state) -> list[int]:
+        return state.propose(int(ids[-1]), TREE, TREE.max_depth).tokens.tolist()
+
+    assert draft(old.start(ids, hidden)) != draft(new.start(ids, hidden))  # (else this could not tell them apart)
+    running = old.start(ids, hidden)
+    old.adopt(new)
+    assert draft(running) == draft(new.start(ids, hidden))
+    assert draft(old.start(ids, hidden)) == draft(new.start(ids, hidden))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "dflash"])
+def test_a_medusa_or_dflash_head_of_another_kind_shape_or_layers_is_refused_and_the_drafter_keeps_its_own(
+        stories, kind):
+    from dataclasses import replace
+
+    from specgraft.heads.medusa import MedusaHeads
+
+    drafter, config = head_version(kind, stories, 1), BLOCK_HEADS[kind]
+    head = head_of(drafter)
+    sched = sg.Scheduler(stories, {kind: drafter})
+    for other in (head_version("dflash" if kind == "medusa" else "medusa", stories, 1), other_head(stories, 1)):
+        with pytest.raises(ValueError, match=f"cannot adopt a {type(other).__name__}"):
+            sched.adopt(kind, other)
+    shape = {"medusa": "num_heads", "dflash": "block_size"}[kind]
+    with pytest.raises(ValueError, match=f"head.{shape}: "):
+        sched.adopt(kind, as_drafter(build_head(replace(config, **{shape: getattr(config, shape) + 1}), stories), stories))
+    if kind == "medusa":  # Medusa's config names no layer (its heads read the target's last): heads built on another
+        elsewhere = MedusaHeads(config, stories.config.hidden_size, stories.vocab_size, stories.num_layers - 1)
+        with pytest.raises(ValueError, match="reads target layers"):
+            sched.adopt(kind, as_drafter(elsewhere, stories))
+    else:
+        layers = [next(i for i in range(stories.num_layers - 1) if i not in head.config.target_layer_ids)]
+        with pytest.raises(ValueError, match="head.target_layer_ids: "):
+            sched.adopt(kind, as_drafter(build_head(replace(config, target_layer_ids=layers), stories), stories))
+    assert head_of(drafter) is head
+    loss_only = {"medusa": {"loss_decay": 0.5}, "dflash": {"loss_decay_gamma": 3.0}}[kind]  # (weigh the loss only)
+    version = as_drafter(build_head(replace(config, **loss_only), stories), stories)
+    sched.adopt(kind, version)
+    assert head_of(drafter) is head_of(version)
 
 
 # ---------------------------------------------------------------------------------------------- versions
