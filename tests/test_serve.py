@@ -184,10 +184,13 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
-def test_a_failing_drafter_fails_only_its_request(server, client, plain, dev_prompts):
-    bad = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={
-        "model": MODEL, "prompt": [1, 403, BOOM_TOKEN], "max_tokens": 8, "speculative": {"drafter": "boom"}})
+def test_a_failing_drafter_fails_only_its_request(server, client, plain, dev_prompts, caplog):
+    with caplog.at_level("ERROR", logger="specgraft.infer.serve.engine"):
+        bad = httpx.post(f"{server.url}/v1/completions", timeout=TIMEOUT_S, json={
+            "model": MODEL, "prompt": [1, 403, BOOM_TOKEN], "max_tokens": 8, "speculative": {"drafter": "boom"}})
     assert bad.status_code == 500 and "drafter failure" in bad.json()["error"]["message"]
+    [record] = [r for r in caplog.records if r.name == "specgraft.infer.serve.engine"]  # the server's log says why
+    assert "failed in a step" in record.getMessage() and "drafter failure" in str(record.exc_info[1])
     good = client.completions.create(model=MODEL, prompt=dev_prompts[4], max_tokens=8, temperature=0,
                                      extra_body={"speculative": {"drafter": "boom"}})
     assert good.choices[0].text == plain.generate(dev_prompts[4], max_new_tokens=8).text

@@ -295,7 +295,8 @@ class Engine:
             elif isinstance(event, Finished):
                 self.observer.finished(event.output.stats)
                 self._end(job, event)
-            else:  # this generation's own step failed (the scheduler isolated it)
+            else:  # this generation's own step failed (the scheduler isolated it): its client gets a 500, the log why
+                log.error("request %s failed in a step (the others go on)", job.handle, exc_info=event.error)
                 error = EngineError(500, f"generation failed: {type(event.error).__name__}: {event.error}")
                 self._end(job, Failed(event.handle, error))
 
