@@ -259,6 +259,15 @@ def test_a_learner_publishes_a_round_only_when_a_fine_tuned_step_beats_the_versi
 # ---------------------------------------------------------------------------------------------- served
 
 
+def test_a_server_refuses_to_learn_with_a_drafter_that_cannot_take_new_weights(stories, tmp_path):
+    from specgraft.infer.serve import create_app
+
+    with pytest.raises(ValueError, match="no drafter 'nope' to learn"):
+        create_app(stories, {}, learning={"nope": tmp_path / "learn"})
+    with pytest.raises(ValueError, match="'prompt-lookup' \\(PromptLookup\\) cannot learn"):
+        create_app(stories, {}, learning={"prompt-lookup": tmp_path / "learn"})
+
+
 def test_a_server_swaps_in_each_published_version_and_its_output_stays_the_targets(
         stories, dev_prompts, trained_eagle, tmp_path):
     import time

@@ -262,6 +262,12 @@ def create_app(
     drafters = {"none": None, PROMPT_LOOKUP: PromptLookup(), **drafters}
     if default_drafter not in drafters:
         raise ValueError(f"--default-drafter {default_drafter!r} is not loaded: choose from {', '.join(drafters)}")
+    for name in learning or {}:
+        if drafters.get(name) is None:
+            raise ValueError(f"no drafter {name!r} to learn: loaded are {', '.join(drafters)}")
+        if not hasattr(drafters[name], "adopt"):
+            raise ValueError(f"drafter {name!r} ({type(drafters[name]).__name__}) cannot learn: only a head's drafter "
+                             "(EAGLE, EAGLE-3, Medusa, DFlash) takes new weights between steps")
     default_tree = default_tree or Adaptive()
     metrics = Metrics()
     tree_slots = tree_headroom(drafters, default_tree)
@@ -271,8 +277,6 @@ def create_app(
         engine.scheduler.add_observer(observer)
     watchers = []
     for name, directory in (learning or {}).items():
-        if drafters.get(name) is None:
-            raise ValueError(f"no drafter {name!r} to learn: loaded are {', '.join(drafters)}")
         watchers.append(HeadWatcher(engine, target, name, directory))
         metrics.learning(name)
     state = ServerState(
