@@ -241,7 +241,10 @@ def test_a_learner_publishes_a_round_only_when_a_fine_tuned_step_beats_the_versi
     from specgraft.heads.published import current
     from specgraft.train.learner import Learner
 
-    record_traffic(stories, sg.load_drafter(trained_eagle, stories), tmp_path / "rec", dev_prompts[:6])
+    from specgraft.train.recording import Recording
+
+    for k in (0, 3):  # two recorder runs: two shards at least
+        record_traffic(stories, sg.load_drafter(trained_eagle, stories), tmp_path / "rec", dev_prompts[k : k + 3])
     rounds = FakeRound(trained_eagle, [(0, 12, 1.5), (0, 0, 1.25), (1, None, None)])
     learner = Learner(str(STORIES_PATH), str(trained_eagle), str(tmp_path / "rec"), str(tmp_path / "learn"), every=3,
                       train=rounds)
@@ -249,6 +252,7 @@ def test_a_learner_publishes_a_round_only_when_a_fine_tuned_step_beats_the_versi
     published = current(tmp_path / "learn")
     assert (published.version, published.simulated_tau, published.previous_simulated_tau, published.generations) == (
         1, 1.5, 1.25, 6)
+    assert len(Recording(tmp_path / "rec").shards) == 1 and len(Recording(tmp_path / "rec")) == 6  # compacted first
     config = rounds.configs[0]
     assert config["training"]["init_from"] == str(trained_eagle) and config["data"]["recorded"] == [str(tmp_path / "rec")]
     assert config["head"]["type"] == "eagle" and config["data"]["eval_fraction"] > 0

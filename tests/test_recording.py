@@ -110,6 +110,64 @@ def test_a_directory_recorded_for_other_layers_is_refused_and_stray_files_are_ne
         Recording(tmp_path / "absent")
 
 
+def test_compacting_a_recording_merges_its_shards_and_a_killed_compaction_loses_and_doubles_nothing(
+        stories, dev_prompts, trained_eagle, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from specgraft.train.recording import compact_recording
+
+    eagle = sg.load_drafter(trained_eagle, stories)
+    for k in range(4):  # four recorder runs: a shard each at least
+        record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[2 * k : 2 * k + 2])
+
+    def contents():
+        rec = Recording(tmp_path / "rec")
+        examples = rec.examples()
+        features = rec.features(stories, eagle.hidden_layers)
+        states = [features.batch([i], collate([e], pad_token_id=0)).hidden for i, e in enumerate(examples)]
+        return rec, sorted(zip((tuple(e["input_ids"]) for e in examples), examples, states), key=lambda t: t[0])
+
+    def assert_same(got, want):
+        assert [g[:2] for g in got] == [w[:2] for w in want]
+        for (_, _, g), (_, _, w) in zip(got, want):
+            for layer in eagle.hidden_layers:
+                torch.testing.assert_close(g[layer], w[layer], atol=0, rtol=0)
+
+    before, want = contents()
+    assert len(before.shards) >= 4 and len(want) == 8
+    sizes = sorted(shard.file.stat().st_size for shard in before.shards)
+    unlink = Path.unlink
+    calls = []
+
+    def killed_after_one(path, *args, **kwargs):  # the compaction dies after removing one source
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(path)
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        compact_recording(tmp_path / "rec", max_bytes=sum(sizes) + 1)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    half, got = contents()
+    assert len(half.shards) == 1 and len(half.replaced) == len(before.shards) - 1  # the merged one; sources skipped
+    assert_same(got, want)
+    assert compact_recording(tmp_path / "rec") == len(before.shards) - 1  # the leftovers go
+    after, got = contents()
+    assert [s.file.name for s in after.shards] == [s.file.name for s in half.shards] and not after.replaced
+    assert_same(got, want)
+    assert sorted((tmp_path / "rec").iterdir()) == sorted([tmp_path / "rec" / "recording.json", after.shards[0].file])
+
+    for k in range(4, 6):  # more traffic, then merged in groups of at most two of these shards' sizes
+        record_traffic(stories, eagle, tmp_path / "rec", dev_prompts[2 * k : 2 * k + 2])
+    more, want = contents()
+    limit = 2 * max(s.file.stat().st_size for s in more.shards[1:]) + 1
+    compact_recording(tmp_path / "rec", max_bytes=limit)
+    merged, got = contents()
+    assert_same(got, want)
+    assert len(merged.shards) < len(more.shards) and all(s.file.stat().st_size <= limit for s in merged.shards[1:])
+
+
 # ---------------------------------------------------------------------------------------------- served
 
 

@@ -4,7 +4,8 @@
 machine that sees the recording). It works in rounds: once ``every`` more generations are recorded, it fine-tunes
 the version serving (``training.init_from``) on the whole recording (its held-out generations fixed by their hash,
 `specgraft.train.mix.split_recorded`) with the base config's original data as ``data.original_share`` of the mix,
-each round a ``specgraft train`` of its own (a crash or a kill loses that round only). The trainer keeps the head
+each round a ``specgraft train`` of its own (a crash or a kill loses that round only), the recording's small shards
+merged first (`compact_recording`). The trainer keeps the head
 with the best simulated tau on the held-out traffic, the initial head's included; a round whose best is a fine-tuned
 step is published (`specgraft.heads.published`) and the server swaps it in between two steps. A round that does not
 beat the version serving publishes nothing. Rounds run one after another, never beside serving's own thread.
@@ -25,7 +26,7 @@ import yaml
 
 from specgraft.heads.checkpoint import read_head_config
 from specgraft.heads.published import Published, current, publish
-from specgraft.train.recording import Recording
+from specgraft.train.recording import Recording, compact_recording
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class Learner:
         """One round over the ``count`` generations recorded now; the version published (None: it did not beat
         the one serving, or it failed)."""
         version = self.serving.version + 1
+        merged = compact_recording(self.record)  # (no round reads it now; what the server writes meanwhile is new files)
+        if merged:
+            log.info("compacted the recording: %d small shards merged", merged)
         run_dir = self.out_dir / "rounds" / f"r{version:04d}-{count}"
         run_dir.mkdir(parents=True, exist_ok=True)
         config_file = run_dir / "config.yaml"

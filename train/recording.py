@@ -18,6 +18,11 @@ place (torch ops on a second thread would run a thread team of their own beside 
 absent, so a server killed at any moment loses the generations not yet written (those running, and those finished
 in the last moments), never a shard. Several servers may record into one directory, each with its own ``run``.
 
+A server at low load writes a shard a finished request or so; `compact_recording` merges small shards into
+larger ones (the learner does before each round). A merged shard names the shards it replaces in its metadata, and
+readers skip those, so a compaction killed between writing the merged shard and removing its sources loses and
+doubles nothing.
+
 A training example is a generation's tokens, its generated ones trained on (``loss_mask`` 1), its prompt not.
 A request sent with ``record=False`` (the server's ``store: false``) is not recorded.
 
@@ -125,7 +130,8 @@ def shard_name(run: str, number: int) -> str:
 
 
 def write_shard(file: Path, info: RecordingInfo, input_ids: torch.Tensor, states: Mapping[int, torch.Tensor],
-                lengths: Sequence[int], prompt_lengths: Sequence[int], *, sources: Sequence[str] = ()) -> None:
+                lengths: Sequence[int], prompt_lengths: Sequence[int], *, sources: Sequence[str] = (),
+                replaces: Sequence[str] = ()) -> None:
     """Write one shard of the recording ``info`` describes, whole or not at all (a temporary file renamed).
 
     Args:
@@ -135,13 +141,15 @@ def write_shard(file: Path, info: RecordingInfo, input_ids: torch.Tensor, states
         lengths: each generation's tokens, in order (they sum to N).
         prompt_lengths: each generation's prompt tokens (not trained on).
         sources: what the generations were read from, kept in the metadata (`vllm_records` reads it back).
+        replaces: the names of the shards this one merges (`compact_recording`): readers skip them.
     """
-    save_shard(file, *shard_contents(info, input_ids, states, lengths, prompt_lengths, sources=sources))
+    save_shard(file, *shard_contents(info, input_ids, states, lengths, prompt_lengths, sources=sources,
+                                     replaces=replaces))
 
 
 def shard_contents(info: RecordingInfo, input_ids: torch.Tensor, states: Mapping[int, torch.Tensor],
                    lengths: Sequence[int], prompt_lengths: Sequence[int], *, sources: Sequence[str] = (),
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                   replaces: Sequence[str] = ()) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A shard's tensors (on the CPU, in the recording's dtype) and metadata (see `write_shard`)."""
     if sum(lengths) != input_ids.shape[0] or len(lengths) != len(prompt_lengths):
         raise ValueError(f"{len(lengths)} lengths summing to {sum(lengths)} and {len(prompt_lengths)} prompt lengths "
@@ -153,6 +161,8 @@ def shard_contents(info: RecordingInfo, input_ids: torch.Tensor, states: Mapping
                 "prompt_lengths": json.dumps(list(prompt_lengths))}
     if sources:
         metadata["sources"] = json.dumps(list(sources))
+    if replaces:
+        metadata["replaces"] = json.dumps(list(replaces))
     return tensors, metadata
 
 
@@ -276,13 +286,15 @@ class _Shard:
     file: Path
     lengths: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
+    metadata: Mapping[str, str]
 
 
 class Recording:
     """A recording directory read back: its generations as training examples, and their states as a `FeatureCache`.
 
     Shards are read in name order (a run's in the order written); a temporary file a killed writer left is not
-    a shard, and a shard of another recording is refused.
+    a shard, a shard that a merged one replaces is skipped (``replaced``: left by a killed compaction), and a
+    shard of another recording is refused.
 
     Raises:
         FileNotFoundError: no ``recording.json`` in ``path``.
@@ -292,7 +304,7 @@ class Recording:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.info = RecordingInfo.read(self.path)
-        self.shards: list[_Shard] = []
+        shards: list[_Shard] = []
         for file in sorted(self.path.glob(SHARD_PATTERN)):
             try:
                 with safe_open(str(file), framework="pt") as f:
@@ -301,7 +313,11 @@ class Recording:
                 raise ValueError(f"{file} is not a readable shard ({err})") from None
             if meta.get("key") != self.info.key:
                 raise ValueError(f"{file} was recorded for other layers, dtype or target than {self.path / INFO}")
-            self.shards.append(_Shard(file, tuple(json.loads(meta["lengths"])), tuple(json.loads(meta["prompt_lengths"]))))
+            shards.append(_Shard(file, tuple(json.loads(meta["lengths"])), tuple(json.loads(meta["prompt_lengths"])),
+                                 meta))
+        replaced = {name for shard in shards for name in json.loads(shard.metadata.get("replaces", "[]"))}
+        self.shards = [shard for shard in shards if shard.file.name not in replaced]
+        self.replaced = [shard.file for shard in shards if shard.file.name in replaced]
 
     def __len__(self) -> int:
         return sum(len(shard.lengths) for shard in self.shards)
@@ -341,3 +357,44 @@ class Recording:
         )
         files = CacheFiles(manifest, tuple(shard.file for shard in self.shards), self.info.key)
         return FeatureCache(self.path, target, hidden_layers, logits=logits, files=files, prefixes=prefixes)
+
+
+def compact_recording(directory: str | Path, *, max_bytes: int = SHARD_BYTES) -> int:
+    """Merge ``directory``'s shards smaller than ``max_bytes`` into shards of up to ``max_bytes`` (runs of
+    consecutive ones, in name order), each written whole before its sources are removed; remove the sources a killed
+    compaction left. The shards a server is writing meanwhile are new files, left for the next compaction; a reader
+    must not run meanwhile (the learner compacts between its rounds). Returns the shards removed.
+    """
+    recording = Recording(directory)
+    removed = 0
+    for file in recording.replaced:
+        file.unlink(missing_ok=True)
+        removed += 1
+    run = f"{time.time_ns():x}"
+    groups: list[list[_Shard]] = [[]]
+    for shard in recording.shards:
+        size = shard.file.stat().st_size
+        if size >= max_bytes:
+            groups.append([])
+            continue
+        if groups[-1] and sum(s.file.stat().st_size for s in groups[-1]) + size > max_bytes:
+            groups.append([])
+        groups[-1].append(shard)
+    for number, group in enumerate(g for g in groups if len(g) > 1):
+        tensors: dict[str, list[torch.Tensor]] = {}
+        sources: list[str] = []
+        for shard in group:
+            with safe_open(str(shard.file), framework="pt") as f:
+                for key in f.keys():
+                    tensors.setdefault(key, []).append(f.get_tensor(key))
+            sources += json.loads(shard.metadata.get("sources", "[]"))
+        write_shard(
+            recording.path / shard_name(run, number), recording.info, torch.cat(tensors.pop("input_ids")),
+            {layer: torch.cat(tensors[f"layer.{layer}"]) for layer in recording.info.layers},
+            [n for shard in group for n in shard.lengths], [n for shard in group for n in shard.prompt_lengths],
+            sources=sources, replaces=[shard.file.name for shard in group],
+        )
+        for shard in group:
+            shard.file.unlink()
+            removed += 1
+    return removed
