@@ -153,9 +153,10 @@ class FeatureDrafter:
 
     @staticmethod
     def rows_dynamic(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
-        """Whether `FeatureRound.dynamic` grows these requests' trees: one `DynamicTree` for all, in a batched cache."""
-        policy = requests[0].policy
-        return rows is not None and type(policy) is DynamicTree and all(r.policy == policy for r in requests)
+        """Whether `FeatureRound.dynamic` grows these requests' trees: one `DynamicTree` for all (an `Adaptive`
+        tree's candidates are one), in a batched cache; each row to its own depth (the engine's plan)."""
+        policy = grown_dynamic(requests[0].policy)
+        return rows is not None and policy is not None and all(grown_dynamic(r.policy) == policy for r in requests)
 
     @staticmethod
     def rows_static(requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> bool:
@@ -180,6 +181,14 @@ class FeatureDrafter:
             raise ValueError(f"a {type(self.head).__name__} drafter cannot adopt a {type(other).__name__}")
         check_new_version(self.head, other.head)
         self.head = other.head
+
+
+def grown_dynamic(policy: TreePolicy) -> DynamicTree | None:
+    """The `DynamicTree` that ``policy``'s levels grow: its own, or an `Adaptive` tree's candidates (the engine cuts
+    them after drafting); None for any other policy."""
+    if type(policy) is DynamicTree:
+        return policy
+    return policy.candidates if type(policy) is Adaptive else None
 
 
 def frontier_width(policy: TreePolicy, depth: int) -> int | None:
@@ -410,7 +419,7 @@ class FeatureRound:
         """Every request's `DynamicTree` after `run_roots` (one policy for all, a batched cache): `grow_dynamic`
         ranks and keeps nodes on the device and `_level` runs each level's frontier, every row's ``top_k``
         nodes in one forward, nothing read back."""
-        policy = self.requests[0].policy
+        policy = grown_dynamic(self.requests[0].policy)
         return self._by_levels(policy.depth, lambda *grown: (grow_dynamic(*grown[:3], policy, grown[3]), policy.top_k))
 
     def static(self) -> list[Tree]:

@@ -67,7 +67,8 @@ from specgraft.infer.verify import (
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import (
-    Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, TreePolicy, tree_attention_mask, tree_position_ids,
+    Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, TreePolicy, read_lists, tree_attention_mask,
+    tree_position_ids,
 )
 
 T = TypeVar("T")
@@ -657,6 +658,7 @@ class Scheduler:
         seconds = time.thread_time() - start
         self._draft_seconds += seconds
         if self.controller is not None:
+            read_lists([t for t in trees if t is not None])  # (one copy to the host for all: selection reads them too)
             levels = max((t.max_depth for t in trees if t is not None), default=0)
             behind = sum(r.behind for r in rows) / len(rows)
             self.controller.observe_draft(drafter, len(trees), max(levels, 1), seconds, behind)

@@ -18,7 +18,7 @@ import torch
 
 from specgraft.tree.policies import Growth, Levelled, TreeBuilder
 from specgraft.tree.sampling import Sampling
-from specgraft.tree.tree import ROOT_PARENT, Tree
+from specgraft.tree.tree import ANCESTOR_BITS, LISTS, ROOT_PARENT, Tree, ancestor_bits
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def rerank(tree: Tree, budget: int) -> Tree:
     """The root plus the ``budget`` best draft nodes by cumulative score, parents ranked before children on ties."""
     if tree.num_draft_tokens <= budget:
         return tree
-    scores, depth = tree.scores.tolist(), tree.depth.tolist()  # read once: indexing tensors per key is slow
+    scores, depth = tree.score_list, tree.depth_list  # read once: indexing tensors per key is slow
     # Sort by score (descending), then depth (ascending): a parent is never ranked below its child.
     order = sorted(range(1, tree.num_nodes), key=lambda i: (-scores[i], depth[i]))
     keep = torch.tensor(sorted([0] + order[:budget]), device=tree.tokens.device)
@@ -137,36 +137,71 @@ def rerank(tree: Tree, budget: int) -> Tree:
 
 
 def subtree(tree: Tree, keep: torch.Tensor | Sequence[int]) -> Tree:
-    """The nodes ``keep`` (sorted, root included, closed under parents) re-indexed parents-first.
+    """The nodes ``keep`` (sorted, root included, closed under parents) re-indexed parents-first (`cut_trees`)."""
+    return cut_trees([(tree, keep)])[0]
 
-    Read and re-indexed in Python, made as one tensor: a few dozen ints, where a chain of small tensor ops took
-    35 us a tree (the goodput controller cuts trees every step).
+
+Stage = Callable[..., list[torch.Tensor]]  # (device, *lists of ints) -> each list as a (len,) int64 tensor there
+
+
+def _stage(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    flat = torch.tensor([x for values in lists for x in values], dtype=torch.long, device=device)
+    return list(flat.split([len(values) for values in lists]))
+
+
+def cut_trees(cuts: Sequence[tuple[Tree, torch.Tensor | Sequence[int]]], stage: Stage | None = None) -> list[Tree]:
+    """Each tree cut to its ``keep`` nodes (sorted, root included, closed under parents), re-indexed parents-first.
+
+    The structure is read and re-indexed in Python from the trees' host lists (`read_lists` reads a step's trees in
+    one copy): a few dozen ints a tree, where a chain of small tensor ops took 35 us a tree. A cut to the first n
+    nodes is views; the others' node indices, parents, depths and ancestor bits go to the device in one copy for
+    all (``stage``: the engine's staging, pinned and non-blocking on a GPU; default one tensor), and each one's
+    tokens and scores are gathered by its indices there: no read back, and one copy a step, not a few a tree.
     """
-    kept = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
-    n = len(kept)
-    if kept[-1] == n - 1:  # the first n nodes (sorted and distinct: 0..n-1), closed under parents as stored parents-first
-        # views, no new tensors: a chain's cut, the most common, in 8 us where it was 20
-        cut = Tree(tokens=tree.tokens[:n], parents=tree.parents[:n], depth=tree.depth[:n], scores=tree.scores[:n],
-                   q=None if tree.q is None else tree.q[:n], without_replacement=tree.without_replacement,
-                   ancestors=None if tree.ancestors is None else tree.ancestors[:n, :n])
-        cut.__dict__["depth_list"] = tree.depth_list[:n]
-        return cut
-    parents = tree.parent_list
-    new_index = {old: new for new, old in enumerate(kept)}
-    remapped = [ROOT_PARENT if parents[i] < 0 else new_index.get(parents[i], -2) for i in kept]
-    if -2 in remapped:
-        raise ValueError("subtree: a kept node's parent was dropped")
-    tokens, depth, scores = tree.tokens.tolist(), tree.depth_list, tree.scores.tolist()
-    depth_ = [depth[i] for i in kept]
-    tokens_, parents_, depth_t = torch.tensor([[tokens[i] for i in kept], remapped, depth_],
-                                              dtype=tree.tokens.dtype, device=tree.tokens.device).unbind()
-    cut = Tree(
-        tokens=tokens_,
-        parents=parents_,
-        depth=depth_t,
-        scores=torch.tensor([scores[i] for i in kept], dtype=tree.scores.dtype, device=tree.scores.device),
-        q=None if tree.q is None else tree.q[kept],
-        without_replacement=tree.without_replacement,
-    )
-    cut.__dict__["depth_list"] = depth_  # read off the lists at hand (see `Tree.depth_list`)
+    out: list[Tree | None] = [None] * len(cuts)
+    general = []  # (place, tree, kept, remapped parents, depths, ancestor bits)
+    for place, (tree, keep) in enumerate(cuts):
+        kept = keep.tolist() if isinstance(keep, torch.Tensor) else list(keep)
+        n = len(kept)
+        lists = tree.__dict__
+        if kept[-1] == n - 1:  # the first n nodes (sorted and distinct: 0..n-1), closed under parents as stored parents-first
+            # views, no new tensors: a chain's cut, the most common, in 8 us where it was 20
+            cut = _with_lists(tree, tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.scores[:n],
+                              None if tree.q is None else tree.q[:n],
+                              None if tree.ancestors is None else tree.ancestors[:n, :n],
+                              **{name: lists[name][:n] for name in LISTS if name in lists})
+            out[place] = cut
+            continue
+        parents = tree.parent_list
+        new_index = {old: new for new, old in enumerate(kept)}
+        remapped = [ROOT_PARENT if parents[i] < 0 else new_index.get(parents[i], -2) for i in kept]
+        if -2 in remapped:
+            raise ValueError("subtree: a kept node's parent was dropped")
+        depth = tree.depth_list
+        bits = ancestor_bits(remapped) if n <= ANCESTOR_BITS else []
+        general.append((place, tree, kept, remapped, [depth[i] for i in kept], bits))
+    if general:
+        device = general[0][1].tokens.device
+        tensors = (stage or _stage)(device, *(x for g in general for x in g[2:]))
+        for k, (place, tree, kept, remapped, depth_, bits) in enumerate(general):
+            index, parents_t, depth_t, bits_t = tensors[4 * k : 4 * k + 4]
+            cut = _with_lists(tree, tree.tokens.index_select(0, index), parents_t, depth_t,
+                              tree.scores.index_select(0, index), None if tree.q is None else tree.q.index_select(0, index),
+                              None, parent_list=remapped, depth_list=depth_)
+            if "score_list" in tree.__dict__:
+                cut.__dict__["score_list"] = [tree.score_list[i] for i in kept]
+            if bits:
+                cut.__dict__["_ancestor_bits"] = bits_t  # (see `Tree.from_host`)
+            out[place] = cut
+    return out
+
+
+def _with_lists(tree: Tree, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, scores: torch.Tensor,
+                q: torch.Tensor | None, ancestors: torch.Tensor | None, **lists: list) -> Tree:
+    """A cut of ``tree``: its tensors given, the host lists known of it kept (its structure checked on them, as
+    `Tree` checks it; a tree with ``ancestors`` is a builder's, only its shapes are)."""
+    cut = Tree.__new__(Tree)
+    cut.__dict__.update(tokens=tokens, parents=parents, depth=depth, scores=scores, q=q,
+                        without_replacement=tree.without_replacement, ancestors=ancestors, **lists)
+    cut.__post_init__()
     return cut

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Sequence
 
 import torch
 
@@ -135,6 +136,11 @@ class Tree:
         return self.depth.tolist()
 
     @cached_property
+    def score_list(self) -> list[float]:
+        """``scores`` as a list, read once (see `parent_list`)."""
+        return self.scores.tolist()
+
+    @cached_property
     def max_depth(self) -> int:
         return max(self.depth_list)
 
@@ -196,6 +202,28 @@ class Tree:
 
 
 ROOT_TREES = 8192  # one-node trees kept (one per token and device): the tokens a run meets most, a few MB
+
+
+LISTS = ("parent_list", "depth_list", "score_list")
+
+
+def read_lists(trees: Sequence[Tree]) -> None:
+    """Read the parents, depths and scores of every tree in ``trees`` not read yet, in one copy to the host for all
+    (a step's trees: read a tree at a time, each list is a sync of its own), into their `parent_list`, `depth_list`
+    and `score_list`."""
+    todo = [(tree, name) for tree in trees for name in LISTS if name not in tree.__dict__]
+    if not todo:
+        return
+    tensors = {"parent_list": "parents", "depth_list": "depth", "score_list": "scores"}
+    ints = [(tree, name) for tree, name in todo if name != "score_list"]  # then the scores: a cast for each kind
+    floats = [(tree, name) for tree, name in todo if name == "score_list"]
+    parts = [torch.cat([getattr(tree, tensors[name]) for tree, name in kind]).double() for kind in (ints, floats) if kind]
+    values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+    at = 0
+    for tree, name in ints + floats:
+        n = tree.num_nodes
+        tree.__dict__[name] = values[at : at + n] if name == "score_list" else [int(v) for v in values[at : at + n]]
+        at += n
 
 
 @functools.cache

@@ -65,7 +65,8 @@ import torch
 
 from specgraft.infer.adaptive.step_cost import StepCost, plane, plane_terms, step_cost
 from specgraft.model import Target
-from specgraft.tree import Tree, subtree
+from specgraft.model.staging import staged
+from specgraft.tree import Tree, cut_trees, read_lists, subtree
 
 # Pseudo-counts of the priors: a calibration starts at factor 1 (trust the drafter's probabilities) and a row's
 # reach at its drafter's, each worth this many observations.
@@ -94,7 +95,8 @@ PROBE_SHARE = 0.01
 # at 1.4 tokens, probed every 141 steps: 1% of its time, a third of what it kept below plain.
 SURE_LOSS_PROBE_SHARE = PROBE_SHARE / 10
 GOLDEN = (math.sqrt(5) - 1) / 2  # row keys times this, modulo 1, spread the rows' probe phases evenly
-# Verified trees their drafters learn from in one pass, once this many are queued (or a row leaves): a drafter's
+# Verified trees their drafters learn from in one pass, once this many are queued, and at least a step's (the rows of
+# the last selection: their accepted paths read back in one copy), or a row leaves: a drafter's
 # calibration and reach by depth, node by node, cost a drafting row 10-15 us a drafted step in place (stories260K,
 # prompt lookup at batch 1: the forward leaves Python's caches cold, and a pass over several runs warm after its
 # first). A row's own reach is learned at once (see `GoodputController.observe_step`).
@@ -384,6 +386,7 @@ class GoodputController:
         self.rates: dict[int, list[float]] = {}  # row -> the raw rates of those nodes, if its tree has no probabilities
         # Verified trees their drafters did not learn from yet, with what selection expected of them (see `learn`).
         self.queued: list[tuple[Any, Tree, torch.Tensor, list[float] | None, list[float] | None]] = []
+        self.selected_rows = 0  # rows of the last selection: a step's trees are learned together, their paths read once
         # id(drafter) -> (inputs, price by levels, per token caught up, reach prior): `plan`'s prices (see `_prices`).
         self.priced: dict[int, tuple[tuple, list[float], float, list[float]]] = {}
         self._known: dict[int, tuple[Any, DrafterStats]] = {}  # id(drafter) -> (drafter, its stats)
@@ -597,7 +600,7 @@ class GoodputController:
             return [1.0], None, None
         stats = self._stats(candidate.drafter)
         depth = tree.depth_list
-        scores = tree.scores.tolist()
+        scores = tree.score_list
         if any(scores[1:]):  # the drafter's own path probabilities, calibrated by depth
             parents, out = tree.parent_list, [1.0] * tree.num_nodes
             factors = stats.probability.factors(tree.max_depth)
@@ -632,6 +635,7 @@ class GoodputController:
         pool: list[tuple[float, int, int, int]] = []  # (-estimate, depth, row index, node) of adaptive nodes
         estimates: dict[int, list[float]] = {}  # row index -> its nodes' estimates
         rates: dict[int, list[float]] = {}  # row index -> its nodes' raw rates (trees without probabilities)
+        read_lists([c.tree for c in candidates])  # every tree's structure and scores, one copy to the host
         if self.probes:
             candidates = [c if c.key not in self.probes else self._probe(c) for c in candidates]
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
@@ -679,8 +683,8 @@ class GoodputController:
         keep: dict[int, list[int]] = {r: [0] for r, c in enumerate(candidates) if c.adaptive}
         for _, _, r, node in pool[:best_k]:
             keep[r].append(node)
-        self.selected_last = best_k
-        trees = {}
+        self.selected_last, self.selected_rows = best_k, rows
+        trees, cuts = {}, {}
         for r, c in enumerate(candidates):
             if not c.adaptive:
                 trees[c.key] = c.tree
@@ -693,8 +697,9 @@ class GoodputController:
             if len(kept) == c.tree.num_nodes:
                 trees[c.key] = c.tree
             else:
-                trees[c.key] = subtree(c.tree, kept)
-        return trees
+                cuts[c.key] = c.tree, kept
+        trees.update(zip(cuts, cut_trees(list(cuts.values()), staged)))  # (their indices staged in one copy)
+        return {c.key: trees[c.key] for c in candidates}
 
     def _probe(self, candidate: Candidate) -> Candidate:
         """A probing row's tree cut to the path to its likeliest deepest node, verified whole (fixed): a chain teaches
@@ -735,24 +740,31 @@ class GoodputController:
             return
         self.row(key).observe(accepted_path.numel() - 1, tree.max_depth, self._stats(drafter), self.clock)
         self.queued.append((drafter, tree, accepted_path, self.rates.pop(key, None), self.estimated.pop(key, None)))
-        if len(self.queued) >= LEARN_EVERY:
+        if len(self.queued) >= max(LEARN_EVERY, self.selected_rows):
             self.learn()
 
     def learn(self) -> None:
         """Learn from every verified tree queued by `observe_step`, in the order they were verified: each drafter's
         calibrations a tree at a time, its reach by depth settled once from the pass's counts."""
         queued, self.queued = self.queued, []
-        learned = {id(entry[0]): self._learn(*entry) for entry in queued}
+        if not queued:
+            return
+        paths = torch.cat([entry[2] for entry in queued]).tolist()  # every accepted path: one copy to the host
+        read_lists([entry[1] for entry in queued])
+        at, learned = 0, {}
+        for drafter, tree, path, rates, estimated in queued:
+            learned[id(drafter)] = self._learn(drafter, tree, paths[at : at + path.numel()], rates, estimated)
+            at += path.numel()
         for stats in learned.values():
             stats.settle_reach()
 
-    def _learn(self, drafter: Any, tree: Tree, accepted_path: torch.Tensor, rates: list[float] | None,
+    def _learn(self, drafter: Any, tree: Tree, accepted_path: list[int], rates: list[float] | None,
                estimated: list[float] | None) -> DrafterStats:
         """One tree's lessons, its nodes summed by depth ([d - 1]: a verified tree has nodes at every depth to its
         deepest); its drafter's reach counted, not settled (see `learn`)."""
         stats = self._stats(drafter)
-        on_path = set(accepted_path.tolist())
-        scores, depth, levels = tree.scores.tolist(), tree.depth_list, tree.max_depth
+        on_path = set(accepted_path)
+        scores, depth, levels = tree.score_list, tree.depth_list, tree.max_depth
         hits = [0.0] * levels  # [d - 1]: its nodes at depth d on the accepted path (at most one)
         for i in on_path:
             if i:
