@@ -310,6 +310,36 @@ class FeatureDraftState:
         return self.drafter.propose_batch([DraftRequest(self, root_token, policy, max_depth, sampling)])[0]
 
 
+@torch.inference_mode()
+def fold_together(states: Sequence[FeatureDraftState], roots: Sequence[torch.Tensor], head) -> tuple[torch.Tensor,
+                                                                                                       torch.Tensor]:
+    """Every state's pending pairs, its commits folded for all states at once: (sum n, H) features and (sum n,) tokens,
+    each state's in turn, its root's token last. One feature computation and two concatenations for the round, where
+    each state folding its own took a few launches a row; each state keeps views of its part (``features``,
+    ``next_tokens``), as its own fold would have left them."""
+    device = roots[0].device
+    first = head.hidden_layers[0]
+    counts = [sum(h[first].shape[0] for _, h in s.pending) for s in states]  # each state's new pairs: a state a token
+    pending = [h for s in states for _, h in s.pending]
+    new: Sequence[torch.Tensor] = ()
+    if pending:
+        joined = {layer: torch.cat([h[layer] for h in pending]).to(device) for layer in head.hidden_layers}
+        new = head.draft_features(joined).split(counts)
+    feature_pieces, token_pieces, sizes = [], [], []
+    for k, (state, root) in enumerate(zip(states, roots)):
+        old = [] if state._features is None else [state._features]
+        feature_pieces += old + ([new[k]] if pending else [])
+        token_pieces += [state._next_tokens, *(t.to(device) for t, _ in state.pending), root]
+        sizes.append(sum(piece.shape[0] for piece in old) + (counts[k] if pending else 0))
+        state.pending = []
+    features, tokens = torch.cat(feature_pieces), torch.cat(token_pieces)
+    at = 0
+    for state, size in zip(states, sizes):
+        state._features, state._next_tokens = features[at : at + size], tokens[at : at + size - 1]
+        at += size
+    return features, tokens
+
+
 @dataclass
 class _Pairs:
     """One row's new pairs in a forward: T_i of them, and what each query sees before the row's new slots.
@@ -344,6 +374,7 @@ class FeatureRound:
         # (starts, held, lengths, rows): (B,) each row's slots before the round, 1 where held, its state's committed
         # tokens (0: no request), and (R,) each request's row; staged once for the round's forwards (a batched cache's)
         self.meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.max_depths: torch.Tensor | None = None  # (R,) each request's max_depth, staged with ``meta``
         self._base: torch.Tensor | None = None  # (B,) each row's slots after the roots' forward (see `_level`)
         self.outputs: list[dict[int, torch.Tensor]] = [{} for _ in requests]  # node -> (H,) head output
         self.slots: list[dict[int, int]] = [{} for _ in requests]  # node -> its slot in the row's cache
@@ -361,8 +392,9 @@ class FeatureRound:
         sizes = [r.state.length - self.lengths[r.row] for r in self.requests]  # each row's pairs: catch-up and root
         width = max(sizes)
         places = [r.row * width + j for r, n in zip(self.requests, sizes) for j in range(n)]  # in the (B * T) grid
-        *self.meta, places = staged(self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],
-                                    places)
+        *self.meta, self.max_depths, places = staged(
+            self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],
+            [r.max_depth for r in self.requests], places)
         self.meta = tuple(self.meta)
         self._run_roots(sizes, places)
 
@@ -375,9 +407,7 @@ class FeatureRound:
         for request in self.requests:
             root = request.root_tensor
             self.roots.append(torch.tensor([request.root_token], device=places.device) if root is None else root)
-        features = torch.cat([s.features for s in states])  # (sum n, H)
-        pieces = [piece for s, root in zip(states, self.roots) for piece in (s.next_tokens, root)]
-        tokens = torch.cat(pieces)  # (sum n,) each row's catch-up tokens, then its root
+        features, tokens = fold_together(states, self.roots, self.head)  # (sum n, H), (sum n,)
         b, hidden, device = self.batch, features.shape[-1], features.device
         grid_features = features.new_zeros(b * width, hidden).index_copy_(0, places, features).view(b, width, hidden)
         grid_tokens = tokens.new_zeros(b * width).index_copy_(0, places, tokens).view(b, width)  # padding: token 0
@@ -420,7 +450,9 @@ class FeatureRound:
         ranks and keeps nodes on the device and `_level` runs each level's frontier, every row's ``top_k``
         nodes in one forward, nothing read back."""
         policy = grown_dynamic(self.requests[0].policy)
-        return self._by_levels(policy.depth, lambda *grown: (grow_dynamic(*grown[:3], policy, grown[3]), policy.top_k))
+        depth_at = self.max_depths.clamp(max=policy.depth)  # (rows of several depths: the staged copy of theirs)
+        return self._by_levels(policy.depth, lambda *grown: (
+            grow_dynamic(*grown[:3], policy, grown[3], depth_at=depth_at), policy.top_k))
 
     def static(self) -> list[Tree]:
         """Every request's top-k `StaticTree` after `run_roots` (one policy for all, a batched cache): `grow_static`

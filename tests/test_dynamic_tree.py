@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,6 +117,56 @@ def test_subtree_keeps_exactly_the_kept_nodes_reindexed(parents, picks, with_q, 
         assert cut.q is None if not with_q else torch.equal(cut.q, tree.q[kept])
         rebuilt = Tree(cut.tokens.clone(), cut.parents.clone(), cut.depth.clone(), cut.scores.clone())
         assert torch.equal(cut.ancestor_mask(), rebuilt.ancestor_mask())
+
+
+def random_tree(rng, n: int) -> Tree:
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return Tree(tokens=torch.tensor(rng.integers(0, 100, n)), parents=torch.tensor(parents), depth=torch.tensor(depth),
+                scores=-torch.tensor(rng.random(n), dtype=torch.float32))
+
+
+def closed_set(rng, tree: Tree) -> list[int]:
+    kept = [0]
+    for i in range(1, tree.num_nodes):
+        if tree.parent_list[i] in kept and rng.random() < 0.6:
+            kept.append(i)
+    return kept
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["lists-unread", "lists-read"])
+def test_cutting_many_trees_at_once_equals_cutting_each_alone_with_one_copy_to_the_device(read_first):
+    """`cut_trees` (a step's cuts, the controller's) stages every general cut's lists in one copy and gathers tokens
+    and scores for all at once; each cut equals `subtree`'s of its tree alone, its host lists included."""
+    import numpy as np
+
+    from specgraft.tree import cut_trees, read_lists
+
+    rng = np.random.default_rng(0)
+    trees = [random_tree(rng, int(rng.integers(1, 14))) for _ in range(12)]
+    keeps = [closed_set(rng, t) for t in trees]
+    keeps[0] = list(range(trees[0].num_nodes))  # a cut to the first nodes: views
+    if read_first:
+        read_lists(trees)
+        assert all(t.score_list == t.scores.tolist() and t.parent_list == t.parents.tolist() for t in trees)
+    copies = []
+
+    def stage(device, *lists):
+        copies.append(lists)
+        flat = torch.tensor([x for values in lists for x in values], dtype=torch.long, device=device)
+        return list(flat.split([len(values) for values in lists]))
+
+    cuts = cut_trees(list(zip(trees, keeps)), stage)
+    assert len(copies) == 1
+    for tree, kept, cut in zip(trees, keeps, cuts):
+        alone = subtree(tree, kept)
+        for name in ("tokens", "parents", "depth", "scores"):
+            assert torch.equal(getattr(cut, name), getattr(alone, name)), name
+        assert cut.parent_list == alone.parent_list and cut.depth_list == alone.depth_list
+        assert cut.score_list == alone.scores.tolist()
+        assert torch.equal(cut.ancestor_mask(), alone.ancestor_mask())
 
 
 def test_parse_dynamic_spec():

@@ -194,11 +194,15 @@ def test_chains_drafted_together_in_rows_out_of_order_decode_as_each_alone(stori
     assert_each_as_alone(stories, {"eagle": drafter}, [{**r, "drafter": "eagle"} for r in requests], 3, "One day")
 
 
-# An adaptive tree's step: a chain's, and its trees' structure and scores read once for the controller's selection.
-ADAPTIVE_SYNCS = CHAIN_SYNCS + 1
+# An adaptive tree's step: a chain's, its trees' structure and scores read once for the controller's selection, and
+# its cuts' indices staged once.
+ADAPTIVE_SYNCS = CHAIN_SYNCS + 2
+# Forward times (seconds against packed tokens) under which adaptive rows draft, and selection cuts their trees: a row
+# alone keeps a few of its 16 candidates ("few"); 16 rows keep a few dozen of their 256, and a row alone all 16 ("many").
+CUTTING_COSTS = {"few": {1: 1.0, 4: 1.05, 8: 1.3, 16: 2.0, 1024: 130.0}, "many": {1: 1.0, 24: 1.02, 40: 1.6, 1024: 130.0}}
 
 
-def test_eagle_adaptive_trees_sync_at_most_five_times_a_step_and_their_kernels_do_not_grow_with_the_batch(
+def test_eagle_adaptive_trees_sync_at_most_six_times_a_step_and_their_kernels_do_not_grow_with_the_batch(
         stories, trained_eagle, monkeypatch):
     """Adaptive rows draft their candidates as one dynamic tree (`grow_dynamic`, each row to its planned depth); the
     controller reads every tree's structure and scores in one copy, cuts them with their indices staged in one, and
@@ -207,30 +211,34 @@ def test_eagle_adaptive_trees_sync_at_most_five_times_a_step_and_their_kernels_d
     from specgraft.infer.adaptive import GoodputController
     from specgraft.infer.adaptive.step_cost import StepCost
 
-    # Cheap up to 4 tokens, then dearer by the token: every row drafts, and selection cuts its trees.
-    def step_cost(self):
-        if self.cost is None:
-            self.cost = StepCost({1: 1.0, 4: 1.05, 8: 1.3, 16: 2.0, 1024: 130.0})
-        return self.cost
-
-    monkeypatch.setattr(GoodputController, "step_cost", step_cost)
     drafters = {"eagle": sg.load_drafter(trained_eagle, stories)}
-    kernels, cut = {}, []
-    for batch, most in ((1, ADAPTIVE_SYNCS - 1), (16, ADAPTIVE_SYNCS)):
+
+    def counted_steps(batch: int, cost: str) -> tuple[object, list[int]]:
+        def step_cost(self):
+            if self.cost is None:
+                self.cost = StepCost(CUTTING_COSTS[cost])
+            return self.cost
+
+        monkeypatch.setattr(GoodputController, "step_cost", step_cost)
         scheduler = steady(stories, batch, drafters, drafter="eagle", tree=sg.Adaptive())
-        select = scheduler.controller.select
+        select, cut = scheduler.controller.select, []
 
         def selecting(candidates):
             trees = select(candidates)
-            cut.append(any(trees[c.key].num_nodes < c.tree.num_nodes for c in candidates))
+            cut.append(sum(trees[c.key].num_nodes < c.tree.num_nodes for c in candidates))
             return trees
 
         scheduler.controller.select = selecting
-        counts = count_steps(scheduler.step, STEPS)
+        return count_steps(scheduler.step, STEPS), cut
+
+    for batch, cost, most in ((1, "few", ADAPTIVE_SYNCS - 2), (16, "many", ADAPTIVE_SYNCS)):
+        counts, cut = counted_steps(batch, cost)
         assert counts.syncs_per_step <= most, f"batch {batch}: {counts.syncs_per_step} a step\n{counts.where()}"
-        kernels[batch] = counts.kernels_per_step
-    assert any(cut)  # trees were cut (their indices staged), not only verified whole
-    assert kernels[16] <= KERNEL_GROWTH * kernels[1], kernels
+        assert len(cut) == STEPS and all(cut), cut  # every step drafted, and cut trees (their indices staged)
+    alone, cut = counted_steps(1, "many")  # the same prices: every step drafts, its row's tree verified whole
+    assert len(cut) == STEPS and not any(cut)
+    assert counts.kernels_per_step <= KERNEL_GROWTH * alone.kernels_per_step, (
+        counts.kernels_per_step, alone.kernels_per_step)
 
 
 def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):

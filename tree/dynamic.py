@@ -11,6 +11,7 @@ Children are chosen top-k (point masses when sampling), as in EAGLE-2.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -61,7 +62,8 @@ DynamicStepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def grow_dynamic(
-    roots: torch.Tensor, logp: torch.Tensor, step: DynamicStepFn, policy: DynamicTree, depths: Sequence[int]
+    roots: torch.Tensor, logp: torch.Tensor, step: DynamicStepFn, policy: DynamicTree, depths: Sequence[int],
+    depth_at: torch.Tensor | None = None,
 ) -> list[Tree]:
     """Every row's `DynamicTree` at once, on the device: the same trees as its ``levels`` alone, nothing read back.
 
@@ -75,6 +77,7 @@ def grow_dynamic(
     Args:
         roots: (R,) root tokens. logp: (R, V) the drafter's log-probs after each root.
         depths: each row's depth (its policy's, cut to what it may draft).
+        depth_at: ``depths`` on the device already (a caller's staged copy), else copied here where they differ.
     """
     k, rows, deepest, device = policy.top_k, len(depths), max(depths), logp.device
     score, token = logp.topk(k, dim=-1)  # (R, k) the root's children: the first frontier, best first
@@ -84,7 +87,10 @@ def grow_dynamic(
     depth.append(torch.ones(rows, k, dtype=torch.long, device=device))
     frontier, frontier_score, frontier_token = torch.arange(1, k + 1, device=device).expand(rows, k), score.float(), token
     came_from, count = None, 1 + k  # each frontier node's place in the last frontier; nodes so far
-    depth_at = torch.tensor(list(depths), device=device) if len(set(depths)) > 1 else None  # rows' own depths
+    if len(set(depths)) == 1:  # rows' own depths, where they differ
+        depth_at = None
+    elif depth_at is None:
+        depth_at = torch.tensor(list(depths), device=device)
     for level in range(2, deepest + 1):
         top, child = step(frontier_token, came_from).topk(k, dim=-1)  # (R, k, k): each frontier node's children
         child_score = (frontier_score[:, :, None] + top.float()).flatten(1)  # (R, k * k) cumulative
@@ -155,8 +161,8 @@ def cut_trees(cuts: Sequence[tuple[Tree, torch.Tensor | Sequence[int]]], stage: 
     The structure is read and re-indexed in Python from the trees' host lists (`read_lists` reads a step's trees in
     one copy): a few dozen ints a tree, where a chain of small tensor ops took 35 us a tree. A cut to the first n
     nodes is views; the others' node indices, parents, depths and ancestor bits go to the device in one copy for
-    all (``stage``: the engine's staging, pinned and non-blocking on a GPU; default one tensor), and each one's
-    tokens and scores are gathered by its indices there: no read back, and one copy a step, not a few a tree.
+    all (``stage``: the engine's staging, pinned and non-blocking on a GPU; default one tensor), and their tokens and
+    scores are gathered there in one call each: no read back, one copy, and launches that do not grow with the trees.
     """
     out: list[Tree | None] = [None] * len(cuts)
     general = []  # (place, tree, kept, remapped parents, depths, ancestor bits)
@@ -182,12 +188,17 @@ def cut_trees(cuts: Sequence[tuple[Tree, torch.Tensor | Sequence[int]]], stage: 
         general.append((place, tree, kept, remapped, [depth[i] for i in kept], bits))
     if general:
         device = general[0][1].tokens.device
-        tensors = (stage or _stage)(device, *(x for g in general for x in g[2:]))
+        offsets = itertools.accumulate((g[1].num_nodes for g in general), initial=0)
+        picked = [at + i for g, at in zip(general, offsets) for i in g[2]]  # every cut's nodes in the trees' concatenation
+        index, *tensors = (stage or _stage)(device, picked, *(x for g in general for x in g[2:]))
+        sizes = [len(g[2]) for g in general]
+        tokens = torch.cat([g[1].tokens for g in general]).index_select(0, index).split(sizes)
+        scores = torch.cat([g[1].scores for g in general]).index_select(0, index).split(sizes)
         for k, (place, tree, kept, remapped, depth_, bits) in enumerate(general):
-            index, parents_t, depth_t, bits_t = tensors[4 * k : 4 * k + 4]
-            cut = _with_lists(tree, tree.tokens.index_select(0, index), parents_t, depth_t,
-                              tree.scores.index_select(0, index), None if tree.q is None else tree.q.index_select(0, index),
-                              None, parent_list=remapped, depth_list=depth_)
+            own, parents_t, depth_t, bits_t = tensors[4 * k : 4 * k + 4]
+            cut = _with_lists(tree, tokens[k], parents_t, depth_t, scores[k],
+                              None if tree.q is None else tree.q.index_select(0, own), None,
+                              parent_list=remapped, depth_list=depth_)
             if "score_list" in tree.__dict__:
                 cut.__dict__["score_list"] = [tree.score_list[i] for i in kept]
             if bits:

@@ -66,7 +66,7 @@ import torch
 from specgraft.infer.adaptive.step_cost import StepCost, plane, plane_terms, step_cost
 from specgraft.model import Target
 from specgraft.model.staging import staged
-from specgraft.tree import Tree, cut_trees, read_lists, subtree
+from specgraft.tree import Tree, cut_trees, read_lists
 
 # Pseudo-counts of the priors: a calibration starts at factor 1 (trust the drafter's probabilities) and a row's
 # reach at its drafter's, each worth this many observations.
@@ -637,7 +637,7 @@ class GoodputController:
         rates: dict[int, list[float]] = {}  # row index -> its nodes' raw rates (trees without probabilities)
         read_lists([c.tree for c in candidates])  # every tree's structure and scores, one copy to the host
         if self.probes:
-            candidates = [c if c.key not in self.probes else self._probe(c) for c in candidates]
+            candidates = self._probe(candidates)
         # Each row verifying a tree costs the scheduler's work on it; the first tree of the step (the first that
         # branches, where chains run unmasked), the forward's penalty.
         chains_free = self.chains_unmasked(rows)
@@ -701,16 +701,28 @@ class GoodputController:
         trees.update(zip(cuts, cut_trees(list(cuts.values()), staged)))  # (their indices staged in one copy)
         return {c.key: trees[c.key] for c in candidates}
 
-    def _probe(self, candidate: Candidate) -> Candidate:
-        """A probing row's tree cut to the path to its likeliest deepest node, verified whole (fixed): a chain teaches
-        a level's reach as a plan of one node a level counts on it, and verifies unmasked where a row runs alone
-        (SmolLM2, batch 1: a head's probe of 2 levels, 4 nodes under a mask, took 88 ms against 39 for a chain of 2)."""
-        tree = candidate.tree
-        if tree.num_nodes == 1 or tree.is_chain:
-            return replace(candidate, adaptive=False)
-        estimates, depth = self.estimates(candidate), tree.depth_list
-        node = max((i for i in range(tree.num_nodes) if depth[i] == tree.max_depth), key=lambda i: estimates[i])
-        return replace(candidate, tree=subtree(tree, tree.path_to(node)), adaptive=False)
+    def _probe(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Each probing row's tree cut to the path to its likeliest deepest node, verified whole (fixed): a chain
+        teaches a level's reach as a plan of one node a level counts on it, and verifies unmasked where a row runs
+        alone (SmolLM2, batch 1: a head's probe of 2 levels, 4 nodes under a mask, took 88 ms against 39 for a chain
+        of 2). The paths are walked up the host's parent lists, and the cuts staged together."""
+        out, cuts = list(candidates), {}
+        for r, candidate in enumerate(candidates):
+            if candidate.key not in self.probes:
+                continue
+            tree = candidate.tree
+            if tree.num_nodes == 1 or tree.is_chain:
+                out[r] = replace(candidate, adaptive=False)
+                continue
+            estimates, depth, parents = self.estimates(candidate), tree.depth_list, tree.parent_list
+            node = max((i for i in range(tree.num_nodes) if depth[i] == tree.max_depth), key=lambda i: estimates[i])
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            cuts[r] = tree, path[::-1]
+        for r, tree in zip(cuts, cut_trees(list(cuts.values()), staged)):
+            out[r] = replace(candidates[r], tree=tree, adaptive=False)
+        return out
 
     # ------------------------------------------------------------------ 3. learn
 
