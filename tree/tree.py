@@ -76,7 +76,8 @@ class Tree:
         holds it as it is, and nothing is copied to the device.
         """
         if isinstance(token, torch.Tensor):
-            return _known(cls, token, *_root_structure(token.device), parent_list=[ROOT_PARENT], depth_list=[0])
+            return _known(cls, token, *_root_structure(token.device), parent_list=[ROOT_PARENT], depth_list=[0],
+                          score_list=[0.0])
         return _root_only(int(token), torch.device(device))
 
     @classmethod
@@ -265,5 +266,6 @@ def _chain_structure(n: int, device: torch.device) -> tuple[torch.Tensor, torch.
 @functools.lru_cache(maxsize=ROOT_TREES)
 def _root_only(token: int, device: torch.device) -> Tree:
     parents, depth, scores, ancestors = _root_structure(device)
-    return Tree(torch.tensor([token], device=device), parents, depth, scores, ancestors=ancestors)
+    return _known(Tree, torch.tensor([token], device=device), parents, depth, scores, ancestors,
+                  parent_list=[ROOT_PARENT], depth_list=[0], score_list=[0.0])
 
