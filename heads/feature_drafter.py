@@ -330,7 +330,7 @@ def fold_together(states: Sequence[FeatureDraftState], roots: Sequence[torch.Ten
         old = [] if state._features is None else [state._features]
         feature_pieces += old + ([new[k]] if pending else [])
         token_pieces += [state._next_tokens, *(t.to(device) for t, _ in state.pending), root]
-        sizes.append(sum(piece.shape[0] for piece in old) + (counts[k] if pending else 0))
+        sizes.append(sum(piece.shape[0] for piece in old) + counts[k])
         state.pending = []
     features, tokens = torch.cat(feature_pieces), torch.cat(token_pieces)
     at = 0
