@@ -101,7 +101,7 @@ class Tree:
         its structure's lists kept: the structure is checked on the host, nothing is read back for it."""
         n = len(parent_list)
         tree = _known(cls, tokens, parents, depth, torch.zeros(n, device=tokens.device), None,
-                      parent_list=parent_list, depth_list=depth_list)
+                      parent_list=parent_list, depth_list=depth_list, score_list=[0.0] * n)
         tree.__post_init__()  # checks the lists: parents first, one root
         if n <= ANCESTOR_BITS:
             tree.__dict__["_ancestor_bits"] = ancestor_bits  # read only where a mask is needed (not for a chain)
