@@ -688,10 +688,11 @@ class Scheduler:
         it must (see `_row_states`).
 
         One forward over all rows, packed; a single row runs on its own cache row (the same maths without
-        the packing); Hugging Face's forward runs each row on its own cache.
+        the packing) unless the target captures its packed forward; Hugging Face's forward runs each row on its
+        own cache.
         """
         self._packed = None
-        if self.pool is None or len(live) == 1:
+        if self.pool is None or (len(live) == 1 and not self.target.capture):
             verified = {}
             for request in live:
                 tree, prefix = trees[request.handle], prefixes[request.handle]

@@ -191,14 +191,17 @@ class BatchedKVCache:
         num_layers, kv_heads, head_dim: the model's cache geometry.
         rows: most sequences held at once.
         max_len: slots per row (prompt, generated tokens and one tree).
+        scratch: one more row after those, never acquired: a forward at static shapes writes its padding tokens'
+            keys/values there (`specgraft.model.captured`).
     """
 
     def __init__(
         self, num_layers: int, kv_heads: int, head_dim: int, *, rows: int, max_len: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", scratch: bool = False,
     ) -> None:
         self.max_len = max_len
-        self.kv = torch.zeros(num_layers, 2, rows, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.scratch_row = rows if scratch else None
+        self.kv = torch.zeros(num_layers, 2, rows + scratch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.views: list[StaticKVCache | None] = [None] * rows  # the sequence cache in each row, None when free
         # Each row's storage views, (kv, keys by layer, values by layer), made on its first acquire: a sequence takes a
         # row per request, and splitting a row's layers anew cost 10 us of a 17 us acquire (stories260K's head).
@@ -209,7 +212,8 @@ class BatchedKVCache:
 
     @property
     def rows(self) -> int:
-        return self.kv.shape[2]
+        """Rows a sequence may take (the scratch row is not one)."""
+        return len(self.views)
 
     def acquire(self, row: int | None = None) -> tuple[int, StaticKVCache]:
         """A free row (the lowest, or ``row``) and an empty single-sequence cache over it.

@@ -489,11 +489,13 @@ class FastLlama:
             self.num_layers, self.kv_heads, self.head_dim, max_len=max_len, dtype=weight.dtype, device=weight.device
         )
 
-    def new_batched_cache(self, rows: int, max_len: int) -> BatchedKVCache:
-        """Rows of ``max_len`` slots for a batch of sequences, each row a `StaticKVCache` view (`BatchedKVCache.acquire`)."""
+    def new_batched_cache(self, rows: int, max_len: int, scratch: bool = False) -> BatchedKVCache:
+        """Rows of ``max_len`` slots for a batch of sequences, each row a `StaticKVCache` view (`BatchedKVCache.acquire`);
+        ``scratch`` adds a row a captured forward pads into."""
         weight = self.layers[0].q
         return BatchedKVCache(
-            self.num_layers, self.kv_heads, self.head_dim, rows=rows, max_len=max_len, dtype=weight.dtype, device=weight.device
+            self.num_layers, self.kv_heads, self.head_dim, rows=rows, max_len=max_len, dtype=weight.dtype,
+            device=weight.device, scratch=scratch,
         )
 
     @torch.inference_mode()

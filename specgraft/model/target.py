@@ -31,6 +31,7 @@ import transformers
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, PreTrainedModel
 
+from specgraft.model.captured import CapturedForward
 from specgraft.model.caches import BatchedKVCache, KVCache, StaticKVCache
 from specgraft.model.fast_llama import FastLlama, Segment, unsupported_reason
 from specgraft.model.small_rows import MODES as SMALL_ROW_MODES, SmallRowChoice
@@ -113,17 +114,27 @@ class Target:
         model: the HF model (kept as ``self.model`` for ``generate`` and friends).
         fast: ``"auto"`` runs Llama-family models on `FastLlama` and others on HF's
             forward; True requires the fast path; False always uses HF's forward.
+        capture: run the batched verification forward at static shapes, captured once per size as a CUDA graph
+            (`specgraft.model.captured`); off CUDA the same static forward runs eager. Needs the fast path.
 
     Raises:
-        ValueError: ``fast=True`` on a model the fast path cannot run exactly.
+        ValueError: ``fast=True`` or ``capture=True`` on a model the fast path cannot run exactly.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, name: str | None = None, *, fast: bool | str = "auto") -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer=None, name: str | None = None, *, fast: bool | str = "auto",
+        capture: bool = False,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(self.config, "_name_or_path", "") or type(model).__name__
         self.fast = _fast_path(model, fast)
+        if capture and self.fast is None:
+            raise ValueError(f"capture=True needs the fast path, and {self.name!r} runs Hugging Face's forward "
+                             f"({unsupported_reason(model) or 'fast=False'})")
+        self.capture = capture
+        self._captured: CapturedForward | None = None  # the last pool's: its graphs hold that pool's addresses
         self.threads: ThreadChoice | None = None  # what `load_target` set torch's CPU threads to, and why
         # HF's forward is called with the cache under the keyword it takes; the fast path needs none.
         self.cache_keyword = cache_keyword(type(model)) if self.fast is None else None
@@ -238,7 +249,7 @@ class Target:
         """Rows of KV slots for a batch of sequences (fast path only; None: this target runs rows one by one)."""
         if self.fast is None:
             return None
-        return self.fast.new_batched_cache(rows, max_len or self.max_context + TREE_SLOTS)
+        return self.fast.new_batched_cache(rows, max_len or self.max_context + TREE_SLOTS, scratch=self.capture)
 
     @torch.inference_mode()
     def forward_packed(
@@ -261,7 +272,13 @@ class Target:
         """
         if self.fast is None:
             raise TypeError(f"target {self.name!r} runs Hugging Face's forward: it verifies rows one by one")
-        logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers))
+        if self.capture:
+            captured = self._captured
+            if captured is None or captured.pool is not cache:
+                captured = self._captured = CapturedForward(self.fast, cache)
+            logits, hidden = captured(input_ids, segments, position_ids, tuple(hidden_layers))
+        else:
+            logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers))
         return ModelOutput(logits=logits.float(), hidden=hidden)
 
 
@@ -308,6 +325,7 @@ def load_model(
     role: str = "target",
     fast: bool | str = "auto",
     gguf_file: str | None = None,
+    capture: bool = False,
 ) -> Target:
     """Load and freeze a causal LM, checking that tree attention and the KV cache will be exact on it.
 
@@ -355,7 +373,7 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{role} {name or type(model).__name__} is an encoder-decoder; specgraft needs a causal LM")
     model.eval().requires_grad_(False)
-    target = Target(model, tokenizer, name, fast=fast)
+    target = Target(model, tokenizer, name, fast=fast, capture=capture)
     _check_tree_attention(target, role)
     _check_cached_continuation(target, role)
     return target
@@ -384,6 +402,7 @@ def load_target(
     threads: int | str | None = "auto",
     gguf_file: str | None = None,
     small_rows: str | None = None,
+    capture: bool = False,
 ) -> Target:
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
 
@@ -401,7 +420,10 @@ def load_target(
     (at 1-4 rows) and oneDNN's packed weights for each weight shape on this
     machine, after the threads are set, and keeps the fastest
     (`specgraft.model.small_rows`); "linear", "transposed" or "packed" pins
-    one form. The choice is ``target.small_rows``.
+    one form. The choice is ``target.small_rows``. ``capture=True`` runs the
+    engine's batched verification forward at static shapes, captured once per
+    size as a CUDA graph on CUDA (`specgraft.model.captured`; off CUDA it runs
+    eager and is slower than the packed forward).
 
     Raises:
         FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
@@ -418,7 +440,7 @@ def load_target(
         raise ValueError(f"small_rows={small_rows!r} must be one of {', '.join(SMALL_ROW_MODES)}")
     target = load_model(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
-        fast=fast, gguf_file=gguf_file,
+        fast=fast, gguf_file=gguf_file, capture=capture,
     )
     target.threads = apply_threads(target.model, threads)
     if target.fast is not None:  # timed at the thread count the model will run with

@@ -1,0 +1,191 @@
+"""The packed forward at static shapes, captured once per size as a CUDA graph.
+
+Why: on a GPU a large target's step is launch-bound when it runs op by op (about 1,230 launches a forward for
+Llama-3.1-8B in bf16, each ~5 us); a CUDA graph replays them all in one launch, as vLLM's and SGLang's captured
+decode and verify steps do. A graph holds fixed shapes and addresses, so this forward is `PackedAttention`'s made
+static:
+
+- the packed tokens are padded to a bucket of N (padding writes its keys/values to the pool's scratch row);
+- every pool row's queries sit in one (R, T) grid, T the widest row's tokens padded to a bucket, and attend over the
+  rows' first W slots (a bucket of `SLOT_BUCKET`) in one SDPA call a layer;
+- the mask is built inside the forward from per-row numbers (how many cached slots a row sees, where its tree
+  starts) and a (R, T, T) block of tree visibilities, copied into the graph's own buffers before each replay.
+
+A step's shapes pick its graph (`Shape`); the first call of a shape runs it and captures it, later calls replay it
+and copy the outputs out. Off CUDA nothing is captured: the same static forward runs eager, which is what the tests
+compare with the packed forward (it pads more than `PackedAttention`, so on a CPU it is slower).
+
+Shape legend: N packed tokens, Np padded, R pool rows with the scratch row, T a row's queries (bucket), W slots
+attended (bucket), H hidden, Hq / Hkv heads, D head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specgraft.model.caches import BatchedKVCache
+from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, rms_norm
+from specgraft.model.staging import staged
+
+SLOT_BUCKET = 256  # W grows by this many slots: a graph serves every step whose rows hold at most W slots
+MOST_GRAPHS = 64  # graphs kept per pool; a step of a shape beyond them runs the static forward eager
+
+
+def bucket(n: int) -> int:
+    """The next power of two at or above ``n`` (token counts and a row's queries)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a graph is captured for: Np padded tokens, T queries a row, W slots, and the hidden layers it returns."""
+
+    tokens: int
+    width: int
+    slots: int
+    layers: tuple[int, ...]
+
+
+@dataclass
+class _Graph:
+    """One captured shape: its input buffers, its outputs (overwritten by every replay) and the graph."""
+
+    index: torch.Tensor  # (5 Np + 2 R,) long: ids, positions, token rows, token slots, grid cells; seen, tree starts
+    block: torch.Tensor  # (R, T, T) bool: each row's tree visibility
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor = field(default=None)  # (Np, V)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (Np, H)
+
+
+class CapturedForward:
+    """`FastLlama.forward_packed` over one pool at static shapes, one CUDA graph per `Shape` (see the module doc).
+
+    Args:
+        fast: the target's forward; its weights are read where they are, so they must not move once captured.
+        pool: the batched cache the rows live in; it must have a scratch row (``BatchedKVCache(scratch=True)``).
+
+    Raises:
+        ValueError: a pool without a scratch row, or a rope type whose frequencies follow the sequence length.
+    """
+
+    def __init__(self, fast: FastLlama, pool: BatchedKVCache, most_graphs: int = MOST_GRAPHS) -> None:
+        if pool.scratch_row is None:
+            raise ValueError("a captured forward needs a pool with a scratch row (BatchedKVCache(scratch=True)): "
+                             "padding tokens write their keys/values there")
+        if fast.rotary.rope_type in DYNAMIC_ROPE:
+            raise ValueError(f"rope type {fast.rotary.rope_type!r} computes its frequencies from each forward's "
+                             "positions; a captured forward reads a fixed table")
+        self.fast, self.pool, self.most_graphs = fast, pool, most_graphs
+        self.device = pool.kv.device
+        probe = torch.zeros(1, 1, fast.embed.shape[1], dtype=pool.kv.dtype, device=self.device)
+        fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=self.device), pool.max_len)
+        # The table every position reads, held here: a later, larger cache may grow the model's, never this one.
+        self.cos, self.sin = fast._rope_table  # (P, D) each, P >= the pool's slots
+        self.graphs: dict[Shape, _Graph] = {}
+        self.memory = None  # the graphs' shared memory pool, made with the first
+        self.captures = self.replays = self.eager = 0
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids: torch.Tensor, segments: Sequence[Segment], position_ids: torch.Tensor,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`FastLlama.forward_packed`'s work and results: logits (N, V) and hidden states (N, H), packed."""
+        pool, rows_total = self.pool, self.pool.kv.shape[2]
+        sizes, rows = [seg.size for seg in segments], [seg.row for seg in segments]
+        starts = pool.extend_packed(rows, sizes)
+        n = sum(sizes)
+        shape = Shape(bucket(n), bucket(max(sizes)), self._slots(max(s + z for s, z in zip(starts, sizes))),
+                      tuple(hidden_layers))
+        np_, t, scratch = shape.tokens, shape.width, pool.scratch_row
+        token_rows = [row for row, size in zip(rows, sizes) for _ in range(size)] + [scratch] * (np_ - n)
+        token_slots = [s for start, size in zip(starts, sizes) for s in range(start, start + size)] + [0] * (np_ - n)
+        cells = [row * t + j for row, size in zip(rows, sizes) for j in range(size)] + [scratch * t] * (np_ - n)
+        seen, tree_starts = [1] * rows_total, [0] * rows_total  # a row outside the forward sees slot 0 (dropped)
+        for row, start, size in zip(rows, starts, sizes):
+            seen[row] = start + (size == 1)  # a one-token row sees its own slot; a tree's block covers its tokens
+            tree_starts[row] = start
+        padding = input_ids.new_zeros(np_ - n)
+        meta = staged(self.device, token_rows, token_slots, cells, seen, tree_starts)  # one copy
+        index = torch.cat([input_ids, padding, position_ids, padding, *meta])
+        block = torch.zeros(rows_total, t, t, dtype=torch.bool, device=self.device)
+        for seg, row in zip(segments, rows):
+            if seg.size > 1:
+                block[row, : seg.size, : seg.size] = seg.visible if seg.visible is not None else torch.ones(
+                    seg.size, seg.size, dtype=torch.bool, device=self.device).tril()
+        logits, hidden = self._forward(shape, index, block)
+        return logits[:n], {i: h[:n] for i, h in hidden.items()}
+
+    def _slots(self, width: int) -> int:
+        """W for rows that hold ``width`` slots after this step's tokens: a multiple of `SLOT_BUCKET`, at most the pool's."""
+        return min(self.pool.max_len, -(-width // SLOT_BUCKET) * SLOT_BUCKET)
+
+    def _forward(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Replay ``shape``'s graph on these inputs, capture it on its first call, or run eager (off CUDA, or past
+        `most_graphs`). Outputs are the caller's own (a replay's are copied out of the graph's buffers)."""
+        graph = self.graphs.get(shape)
+        if graph is not None:
+            graph.index.copy_(index)
+            graph.block.copy_(block)
+            graph.graph.replay()
+            self.replays += 1
+            return graph.logits.clone(), {i: h.clone() for i, h in graph.hidden.items()}
+        if self.device.type != "cuda" or len(self.graphs) >= self.most_graphs:
+            self.eager += 1
+            return self._run(shape, index, block)
+        # Warm up on a side stream (this run is the step's own work: its results are returned), then capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            logits, hidden = self._run(shape, index, block)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = _Graph(index.clone(), block.clone(), torch.cuda.CUDAGraph())
+        if self.memory is None:
+            self.memory = torch.cuda.graph_pool_handle()
+        # Capturing records the kernels without running them: the pool's slots keep what the warm-up wrote.
+        with torch.cuda.graph(graph.graph, pool=self.memory):
+            graph.logits, graph.hidden = self._run(shape, graph.index, graph.block)
+        self.graphs[shape] = graph
+        self.captures += 1
+        return logits, hidden
+
+    def _run(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward itself, every shape static: logits (Np, V) and the requested hidden states (Np, H)."""
+        fast, kv = self.fast, self.pool.kv
+        np_, t, w = shape.tokens, shape.width, shape.slots
+        r = kv.shape[2]
+        ids, positions, token_rows, token_slots, cells = index[: 5 * np_].view(5, np_)
+        seen, tree_starts = index[5 * np_ :].view(2, r)
+        wanted = fast.taps(shape.layers)
+        states: dict[int, torch.Tensor] = {}
+        x = F.embedding(ids, fast.embed)[None]  # (1, Np, H)
+        cos, sin = self.cos[positions][None, :, None], self.sin[positions][None, :, None]  # (1, Np, 1, D)
+        # What each row's query t' sees of slots [0, W): its cached slots, and its tree's block from its start on.
+        columns = torch.arange(w, device=kv.device)
+        relative = columns - tree_starts[:, None]  # (R, W)
+        in_tree = block.gather(2, relative.clamp(0, t - 1)[:, None].expand(r, t, w))  # (R, T, W)
+        visible = (columns < seen[:, None])[:, None] | (in_tree & ((relative >= 0) & (relative < t))[:, None])
+        mask = additive(visible[:, None], kv.dtype)  # (R, 1, T, W)
+        heads, dim = fast.num_heads, fast.head_dim
+        for i, layer in enumerate(fast.layers):
+            if i in wanted:
+                states[i] = x[0]
+            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, fast.eps)
+            q, k, v = fast._project(layer, h, cos, sin)  # (1, Hq, Np, D), (1, Hkv, Np, D) x 2
+            self.pool.write_packed(i, token_rows, token_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            grid = q.new_zeros(r * t, heads, dim)
+            grid[cells] = q[0].transpose(0, 1)  # (R * T, Hq, D); padding tokens all land in the scratch row's cell
+            out = fast._attend(grid.view(r, t, heads, dim).transpose(1, 2), kv[i, 0, :, :, :w], kv[i, 1, :, :, :w],
+                               mask)  # (R, Hq, T, D)
+            out = out.transpose(1, 2).reshape(r * t, heads, dim)[cells]  # (Np, Hq, D)
+            x = x + fast.linear(out.reshape(1, np_, heads * dim), layer.o, layer.o_bias)
+            x = x + fast.mlp(layer, rms_norm(x, layer.post_norm, fast.eps))
+        x = rms_norm(x, fast.final_norm, fast.eps)  # (1, Np, H)
+        if fast.num_layers in wanted:
+            states[fast.num_layers] = x[0]
+        logits = fast.linear(x, fast.lm_head, fast.lm_head_bias)[0]  # (Np, V)
+        return logits, {i: states[i % (fast.num_layers + 1)] for i in shape.layers}

@@ -1,0 +1,166 @@
+"""The verification forward at static shapes (`specgraft.model.captured`): the packed forward's results, exactly
+the engine's output, and padding that touches nothing but the scratch row. On CPU it runs eager; tests/test_cuda.py
+replays it as CUDA graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from test_engine_api import hf_generate
+from test_scheduler import BRANCHING_TREE, Driver, ROW_FILTERS, ROW_TEMPERATURES, SAMPLING_LENGTH, enumerated, with_random_head
+
+import specgraft as sg
+from specgraft.model import Segment
+from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Shape, bucket
+
+
+@pytest.fixture(scope="module")
+def captured(stories):
+    """stories260K over the same weights, its batched verification forward run at static shapes."""
+    return sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+
+
+def random_step(rng: random.Random, pools, rows: int, vocab: int):
+    """Segments over a random subset of ``rows`` (out of order): one-token rows, chains and trees; tokens, positions."""
+    held = rng.sample(range(rows), rng.randint(1, rows))
+    segments, tokens, positions = [], [], []
+    for row in held:
+        size = rng.choice([1, 1, 2, 4, 5, 8, 9])  # a tree as wide as its bucket, and narrower ones
+        visible = None
+        if size > 1 and rng.random() < 0.7:  # a tree: every node sees the root, itself and one random earlier node
+            visible = torch.eye(size, dtype=torch.bool)
+            visible[:, 0] = True
+            for node in range(2, size):
+                visible[node, rng.randrange(1, node)] = True
+        segments.append(Segment(row, size, visible))
+        tokens.append(torch.tensor([rng.randrange(vocab) for _ in range(size)]))
+        length = len(pools[0].views[row])
+        depth = torch.arange(size) if visible is None else visible.sum(1) - 1
+        positions.append(length + depth)
+    return segments, torch.cat(tokens), torch.cat(positions)
+
+
+def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(stories):
+    fast, rows, rng = stories.fast, 6, random.Random(0)
+    packed = fast.new_batched_cache(rows, 700)
+    static = fast.new_batched_cache(rows, 700, scratch=True)
+    forward = CapturedForward(fast, static)
+    for row in range(rows):  # prompts of 3 to 300 tokens: several slot buckets
+        n = rng.randint(3, 300)
+        ids = torch.tensor([[rng.randrange(stories.vocab_size) for _ in range(n)]])
+        for pool in (packed, static):
+            fast.forward(ids, pool.acquire(row)[1], torch.arange(n)[None])
+    shapes = set()
+    for _ in range(8):
+        segments, tokens, positions = random_step(rng, (packed, static), rows, stories.vocab_size)
+        want, want_states = fast.forward_packed(tokens, packed, segments, positions, (0, 3, -1))
+        got, states = forward(tokens, segments, positions, (0, 3, -1))
+        assert got.shape == want.shape and set(states) == {0, 3, -1}
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for layer in want_states:
+            torch.testing.assert_close(states[layer], want_states[layer], rtol=1e-4, atol=1e-4)
+        shapes.add((bucket(len(tokens)), bucket(max(seg.size for seg in segments))))
+    assert static.lengths(rows) == packed.lengths(rows)
+    for row in range(rows):
+        held = len(packed.views[row])
+        torch.testing.assert_close(static.kv[:, :, row, :, :held], packed.kv[:, :, row, :, :held], rtol=1e-4, atol=1e-5)
+    assert len(shapes) > 2 and forward.eager == 8 and forward.captures == forward.replays == 0  # CPU: eager
+
+
+def test_padding_writes_only_the_scratch_row_and_each_token_its_own_slot(stories):
+    fast = stories.fast
+    pool = fast.new_batched_cache(3, 300, scratch=True)
+    forward = CapturedForward(fast, pool)
+    for row, n in enumerate((5, 40, 17)):
+        fast.forward(torch.arange(1, n + 1)[None], pool.acquire(row)[1], torch.arange(n)[None])
+    before = pool.kv.clone()
+    segments = [Segment(2, 3), Segment(0, 1), Segment(1, 1)]  # 5 tokens, padded to 8: 3 padding tokens
+    forward(torch.tensor([7, 8, 9, 10, 11]), segments, torch.tensor([17, 18, 19, 5, 40]))
+    changed = (pool.kv != before).any(dim=(0, 1, 3, 5))  # (rows + scratch, slots)
+    written = torch.zeros_like(changed)
+    written[2, 17:20] = written[0, 5] = written[1, 40] = True
+    assert torch.equal(changed[:3], written[:3])  # every real token wrote its own slot, nothing else moved
+    assert changed[3].any()  # the padding went to the scratch row
+    assert pool.rows == 3 and pool.scratch_row == 3 and pool.lengths(3) == [6, 41, 20]
+    with pytest.raises(RuntimeError, match="all 3 rows"):
+        pool.acquire()  # the scratch row is never handed out
+
+
+def test_shapes_are_buckets_of_tokens_tree_width_and_slots(stories):
+    assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    pool = stories.fast.new_batched_cache(2, 3 * SLOT_BUCKET - 10, scratch=True)
+    forward = CapturedForward(stories.fast, pool)
+    assert [forward._slots(w) for w in (1, SLOT_BUCKET, SLOT_BUCKET + 1, 3 * SLOT_BUCKET)] == [
+        SLOT_BUCKET, SLOT_BUCKET, 2 * SLOT_BUCKET, 3 * SLOT_BUCKET - 10]
+    assert Shape(8, 4, 256, ()) == Shape(8, 4, 256, ()) != Shape(8, 4, 256, (1,))
+
+
+def test_capture_needs_the_fast_path_and_a_scratch_row(stories):
+    with pytest.raises(ValueError, match="capture=True needs the fast path"):
+        sg.Target(stories.model, stories.tokenizer, "hf", fast=False, capture=True)
+    with pytest.raises(ValueError, match="scratch row"):
+        CapturedForward(stories.fast, stories.fast.new_batched_cache(2, 64))
+
+
+def test_a_captured_target_gives_every_drafter_kind_the_targets_greedy_output(captured, dev_prompts, trained_eagle):
+    """Plain rows, prompt lookup, a trained EAGLE head's chains and dynamic trees and Medusa's static tree in one
+    scheduler over the captured target, and a lone row (which verifies through the same static forward)."""
+    eagle = sg.load_drafter(trained_eagle, captured)
+    drafters = {"lookup": sg.PromptLookup(), "eagle": eagle, "medusa": with_random_head(captured, "medusa_static").drafter}
+    rows = [("none", None), ("lookup", sg.Chain(4)), ("eagle", sg.Chain(4)),
+            ("eagle", sg.DynamicTree(top_k=4, depth=5, budget=16)), ("medusa", sg.StaticTree(BRANCHING_TREE))]
+    prompts = [captured.encode(p) for p in dev_prompts[20 : 20 + len(rows)]]
+    budgets = [40, 33, 48, 29, 37]
+    sched = sg.Scheduler(captured, drafters, max_batch_size=len(rows))
+    driver = Driver(sched)
+    handles = [sched.submit(p, n, drafter=name, tree=tree, eos_token_id=()) for p, n, (name, tree) in zip(prompts, budgets, rows)]
+    driver.run(*handles)
+    for handle, prompt, n, (name, _) in zip(handles, prompts, budgets, rows):
+        assert driver.result(handle).token_ids == hf_generate(captured, prompt, n, eos_token_id=None), name
+    assert driver.result(handles[2]).stats.mean_accepted_length > 2.0  # the trained head accepted deep paths
+    lone = sg.SpeculativeGenerator(captured, eagle, tree=sg.Chain(4)).generate(prompts[0], 30, eos_token_id=())
+    assert lone.token_ids == hf_generate(captured, prompts[0], 30, eos_token_id=None)
+    assert captured._captured.eager > 0 and captured._captured.pool.scratch_row is not None
+
+
+def test_sampled_rows_through_a_captured_target_follow_their_own_distributions():
+    """A sampled chain and a sampled tree beside plain sampling, each row setting with its own temperature and
+    filter: every one fits its exactly enumerated distribution through the static forward."""
+    from collections import Counter
+
+    from conftest import tiny_causal_lm
+
+    from specgraft.tools.exactness import fit
+
+    models = []
+    for seed in (0, 5):
+        model = tiny_causal_lm("llama", vocab_size=6, seed=seed)
+        with torch.no_grad():
+            model.lm_head.weight.div_(10.0)  # soft distributions: every token keeps real mass
+        models.append(model)
+    target = sg.load_target(models[0], capture=True)
+    draft = sg.DraftModel(models[1], target)
+    trees = [sg.Chain(3, draw="sample"), sg.StaticTree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], draw="sample"), None,
+             sg.Chain(2, draw="sample")]
+    sched = sg.Scheduler(target, {"draft": draft}, max_batch_size=24, max_len=16)
+    driver = Driver(sched)
+    prompts = ([0, 1, 2, 0, 1], [3, 4, 5], [1, 1, 2, 2], [5, 0, 3, 2, 4, 1])
+    settings = [dict(temperature=t, **f) for t, f in zip(ROW_TEMPERATURES, ROW_FILTERS)]
+    torch.manual_seed(13)
+    counts = [Counter() for _ in settings]
+    for _ in range(1600 // 6):  # 1,600 samples per row setting
+        handles = [(i % 4, sched.submit(prompts[i % 4], max_new_tokens=SAMPLING_LENGTH, eos_token_id=(),
+                                        drafter="none" if trees[i % 4] is None else "draft", tree=trees[i % 4],
+                                        **settings[i % 4])) for i in range(24)]
+        while not sched.idle:
+            driver.step()
+        for i, handle in handles:
+            counts[i][tuple(driver.result(handle).token_ids)] += 1
+    assert target._captured.eager == sched.counters.verify_forwards == sched.counters.steps
+    for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
+        result = fit(counter, enumerated(target, prompt, temperature, filters))
+        assert result.passed, f"T={temperature} {filters}: {result}"
