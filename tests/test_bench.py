@@ -523,6 +523,17 @@ def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(sto
     assert "Paired against plain decoding" in markdown
 
 
+def test_capture_runs_the_batch_sweep_through_the_static_forward_with_the_same_outputs(stories, prompts_file, tmp_path,
+                                                                                      capsys):
+    args = _args("--target", str(STORIES), "--drafter", "self", "--tree", "chain:3", "--prompts", str(prompts_file),
+                 "--max-new-tokens", str(N), "--batch-size", "2,1", "--capture", "--out", str(tmp_path / "out"), "--json")
+    assert bench_main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["greedy_identical"] and printed["settings"]["capture"] is True
+    assert {(r["method"], r["batch_size"]) for r in printed["rows"]} == {(m, b) for m in ("plain", "self chain:3") for b in (1, 2)}
+    assert "static shapes" in (tmp_path / "out" / "results.md").read_text()
+
+
 def test_paired_ratios_are_plains_wall_over_the_methods_group_by_group():
     """A burst that slows one group's run of a method moves its total, not the median of its pairs."""
     from specgraft.tools.bench_batch import paired

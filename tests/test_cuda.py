@@ -128,13 +128,15 @@ def assert_equal_up_to_a_bf16_tie(target: sg.Target, prompt: list[int], got: lis
     assert float(top.values[0] - top.values[1]) < BF16_TIE, (i, top)
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
-def test_bf16_speculation_on_cuda_equals_the_engines_own_bf16_greedy(trained_eagle, dev_prompts, tree):
+def test_bf16_speculation_on_cuda_equals_the_engines_own_bf16_greedy(trained_eagle, dev_prompts, tree, capture):
     """A bf16 target with the trained EAGLE head (cast to bf16 at load): speculative rows give the tokens plain
-    decoding of the same bf16 target gives, one row and a batch, up to a bf16 tie (`assert_equal_up_to_a_bf16_tie`)."""
+    decoding of the same bf16 target gives, one row and a batch, up to a bf16 tie (`assert_equal_up_to_a_bf16_tie`),
+    with the verification forward eager or captured per size."""
     if not STORIES.is_dir():
         pytest.skip(f"../shared assets are absent ({STORIES} not found)")
-    target = sg.load_target(STORIES, device="cuda", dtype="bfloat16")
+    target = sg.load_target(STORIES, device="cuda", dtype="bfloat16", capture=capture)
     eagle = sg.load_drafter(trained_eagle, target)
     assert next(eagle.head.parameters()).dtype == torch.bfloat16
     prompts = [target.encode(p) for p in dev_prompts[:6]]
@@ -197,3 +199,30 @@ def test_the_device_clock_times_kernels_not_their_launches():
     launched = time.perf_counter() - host
     seconds = clock.seconds(start, end)
     assert seconds > 0.01 and seconds > 5 * launched
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
+def test_a_captured_target_on_cuda_replays_its_graphs_and_equals_hf_greedy(trained_eagle, dev_prompts, tree):
+    """load_target(capture=True) on CUDA: each step's verification replays a graph captured for its shape (tokens,
+    tree width, slots), and the output is HF's greedy, batched and alone; the same batch again captures nothing new."""
+    from test_step_counts import CHAIN_SYNCS, assert_syncs
+
+    target = sg.load_target(STORIES, device="cuda", capture=True)
+    eagle = sg.load_drafter(trained_eagle, target)
+    policy = sg.parse_tree_spec(tree)
+    gen = sg.SpeculativeGenerator(target, eagle, tree=policy)
+    prompts = [target.encode(p) for p in dev_prompts[:6]]
+    budgets = [40, 17, 33, 48, 9, 25]
+    first = gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())
+    for ids, n, out in zip(prompts, budgets, first):
+        assert out.token_ids == hf_greedy(target, ids, n)
+    captured = target._captured
+    assert captured.captures > 0 and captured.eager == 0 and len(captured.graphs) == captured.captures
+    captures, replays = captured.captures, captured.replays
+    again = gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())  # the same steps: every shape replays
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert captured.captures == captures and captured.replays > replays + 4 and captured.eager == 0
+    lone = gen.generate(prompts[3], max_new_tokens=48, eos_token_id=())
+    assert lone.token_ids == hf_greedy(target, prompts[3], 48)
+    assert_syncs(target, CHAIN_SYNCS, {"eagle": eagle}, drafter="eagle", tree=policy)
+

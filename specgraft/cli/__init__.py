@@ -36,7 +36,8 @@ def _load(args: argparse.Namespace):
     from specgraft.tree import policy_from_spec
 
     tree = policy_from_spec(tree_spec)  # a tree file is read here
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
+                                capture=args.capture)
     return target, drafter_from_spec(drafter, target), tree
 
 
@@ -250,7 +251,8 @@ def cmd_search_layer_skip(args: argparse.Namespace) -> int:
     import specgraft as sg
     from specgraft.tools.prompts import encode_prompt, read_prompt_file
 
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
+                                capture=args.capture)
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
     result = sg.search_layer_skip(
         target, prompts, max_new_tokens=args.max_new_tokens, max_skip=args.max_skip, min_agreement=args.min_agreement,
@@ -352,7 +354,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specgraft.tree import policy_from_spec
 
     tree = policy_from_spec(tree_spec)  # a tree file is read here
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
+                                capture=args.capture)
     drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
     recorder = _traffic_recorder(args.record, target, drafters) if args.record else None
     learning = {args.learn: learn_dir} if args.learn else {}

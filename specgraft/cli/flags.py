@@ -75,6 +75,12 @@ class CommandParser(argparse.ArgumentParser):
         return f"unrecognized flag {word} ({hint})"
 
 
+CAPTURE_HELP = (
+    "run the target's batched verification forward at static shapes, captured once per size as a CUDA graph "
+    "(off by default; on a CPU it runs eager and is slower than the default packed forward)"
+)
+
+
 def parse_threads(value: str) -> int | str:
     """A ``--threads`` value: "auto" or a positive int (argparse ``type=``)."""
     if value == "auto":
@@ -148,6 +154,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed by every method first")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu")
+    add_capture_argument(parser)
     return parser
 
 
@@ -248,10 +255,15 @@ def add_import_records_arguments(parser: argparse.ArgumentParser) -> argparse.Ar
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --device and --threads: how the target runs."""
+    """--dtype, --device, --threads and --capture: how the target runs."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=parse_threads, default="auto", help=THREADS_HELP)
+    add_capture_argument(parser)
+
+
+def add_capture_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -384,6 +384,7 @@ def _settings(
         "reference": reference,
         "threads": threads,
         "small_rows": target.small_rows.to_dict(),
+        "capture": target.capture,
         "warmup_prompts": warmup,
         "order": "interleaved per prompt; the method order rotates by one each prompt",
         "clock": "wall time of one whole generate call per prompt, prefill included, the same for every method",
@@ -487,7 +488,7 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
             print(nothing_written(SWEEP_NOUN), file=sys.stderr)
             return 130
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
-                               small_rows=target.small_rows.to_dict())
+                               small_rows=target.small_rows.to_dict(), capture=target.capture)
     if engines:
         results["settings"]["vllm"] = {"version": engines[0][1].version, "core": args.vllm_core,
                                        "load_s": {name: engine.load_s for name, engine in engines}}
@@ -665,7 +666,8 @@ def bench_main(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads)
+    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
+                                capture=args.capture)
     choice = target.threads
     print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
     print(f"small-row products: {target.small_rows.describe()}", file=sys.stderr)

@@ -256,7 +256,9 @@ def batch_markdown(results: Mapping[str, Any]) -> str:
         f"# specgraft bench --batch-size: {settings['target']}",
         "",
         f"{settings['prompts']} prompts, {settings['max_new_tokens']} new tokens, greedy, "
-        f"{settings.get('rounds', 1)} round(s). Greedy outputs identical "
+        f"{settings.get('rounds', 1)} round(s)"
+        + ("; the verification forward at static shapes (captured per size on CUDA)" if settings.get("capture") else "")
+        + ". Greedy outputs identical "
         "to plain decoding: " + ("yes." if results["greedy_identical"] else f"**NO** ({len(results['mismatches'])})."),
         "",
         *interrupted_note(settings, "batch_sizes", SWEEP_NOUN),
