@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The engine on one CUDA GPU, in one short call: `pytest -m cuda`, then a SmolLM2-shaped batch bench with the
-# kernels and host syncs a step (docs/engine.md), eager and bf16.
+# The engine on one CUDA GPU, in one short call: `pytest -m cuda`, then a SmolLM2-shaped batch bench in bf16 with the
+# kernels and host syncs a step (docs/engine.md), its verification forward eager and then captured per size.
 #
 # Here, on a machine with ../shared and pip (once):
 #     benchmarks/gpu_check.sh prepare
@@ -8,12 +8,12 @@
 # prompt sets, SmolLM2-135M's config and tokenizer, and wheels of the packages such an image may lack (pydantic).
 # There, from the repository root, with .gpu beside it:
 #     benchmarks/gpu_check.sh run OUTDIR
-# writes OUTDIR/cuda_tests.log, OUTDIR/bench.json, OUTDIR/bench.log and prints both summaries.
+# writes OUTDIR/cuda_tests.log, OUTDIR/bench-{eager,capture}.{json,log} and prints the summaries.
 #
 # SmolLM2's weights (a 98 MB GGUF) are more than one such call carries (64 MiB), so the bench's target is SmolLM2's
 # architecture with seeded random weights in bf16: a step's cost and counts are SmolLM2's, its acceptance is not
-# (an untrained EAGLE-3 head of the recipe's shape and prompt lookup draft beside it). Forwards captured per size
-# (CUDA graphs) are not built yet: the bench runs eager.
+# (an untrained EAGLE-3 head of the recipe's shape and prompt lookup draft beside it). The bench runs twice, eager
+# and with --capture (the verification forward replayed as CUDA graphs); each writes its own results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -47,7 +47,7 @@ run() {
 
     # 1. Exactness and the sync budgets on the GPU (tests/test_cuda.py).
     set +e
-    timeout 300 "$PY" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider -p no:randomly -n 0 2>&1 | tee "$out/cuda_tests.log"
+    timeout 240 "$PY" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider -p no:randomly -n 0 2>&1 | tee "$out/cuda_tests.log"
     set -e
 
     # 2. A SmolLM2-shaped target (seeded random bf16 weights) and an untrained EAGLE-3 head of the recipe's shape.
@@ -68,11 +68,14 @@ for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"
 target = sg.load_target(target_dir, device="cuda", dtype="bfloat16")
 save_head(build_head(Eagle3Config(draft_vocab_size=2048), target), head_dir, target)
 EOF
-    timeout 240 "$PY" -m specgraft.cli bench --target "$out/target" --device cuda --dtype bfloat16 \
-        --method "$out/eagle3" chain:3 --method prompt-lookup chain:4 --batch-size 1,8,32 \
-        --prompts "$HERE/shared/data/mt_bench_question.jsonl" --limit 32 --max-new-tokens 64 --rounds 1 \
-        --out "$out/bench" --json > "$out/bench.json" 2> "$out/bench.log" || true
-    tail -n 40 "$out/bench.log"
+    for mode in eager capture; do
+        local flag=""; [ "$mode" = capture ] && flag=--capture
+        timeout 150 "$PY" -m specgraft.cli bench --target "$out/target" --device cuda --dtype bfloat16 $flag \
+            --method "$out/eagle3" chain:3 --method prompt-lookup chain:4 --batch-size 1,8,32 \
+            --prompts "$HERE/shared/data/mt_bench_question.jsonl" --limit 32 --max-new-tokens 32 --rounds 1 \
+            --out "$out/bench-$mode" --json > "$out/bench-$mode.json" 2> "$out/bench-$mode.log" || true
+        echo "== bench, $mode"; tail -n 30 "$out/bench-$mode.log"
+    done
     rm -rf "$out/target" "$out/eagle3"  # nothing that large comes back
 }
 
