@@ -1,8 +1,9 @@
 """The one batch engine: every running generation advanced by one step, in one target forward.
 
-A generation joins between steps: its prompt is prefilled in a forward of
-its own (its first token), then it takes part in that same step's
-verification. One that finishes, fails or is cancelled leaves at once and
+A generation joins between steps: its prompt is prefilled (its first
+token), in one packed forward with the others joining at that step (a few
+thousand tokens at most; Hugging Face's forward: one prompt a forward),
+then it takes part in that same step's verification. One that finishes, fails or is cancelled leaves at once and
 frees its rows. Each generation carries its own drafter (by name, from the
 scheduler's pool of loaded drafters), tree, sampling, acceptance rule, stop
 rule and stats (`Request`), so generations with different `speculative`
@@ -75,6 +76,12 @@ T = TypeVar("T")
 # Default cap on a row's tokens: rows x slots are allocated up front (16 rows of a 30-layer model's
 # 8K context would take gigabytes); pass max_len to go further.
 DEFAULT_MAX_LEN = 4096
+# Prompts joining together run in one packed forward of at most this many tokens (vLLM batches up to 2048-8192
+# tokens a step by default) ...
+PREFILL_TOKENS = 2048
+# ... and at most this many mask cells (rows x the longest prompt, squared: 16 MiB of float32 mask), so a long
+# prompt beside short ones does not pad them all to its length; a prompt beyond either runs alone.
+PREFILL_CELLS = 1 << 22
 NO_DRAFTER = "none"  # the pool's name for speculation off: every scheduler has it
 # Bytes of forwards' states held for rows' draft states (their commits of the root alone) before every row gives what
 # it kept and the forwards are let go (see `specgraft.infer.held`): about 4,800 rows of SmolLM2's three EAGLE-3 taps
@@ -100,7 +107,8 @@ class EngineCounters:
     """What the scheduler did, summed over its life (the server's /metrics reads them).
 
     ``verify_forwards`` counts target forwards that verified (one per step on
-    the fast path; one per row on Hugging Face's forward). The spec-decode
+    the fast path; one per row on Hugging Face's forward), ``prefill_forwards``
+    those that ran prompts (one for the prompts that join together). The spec-decode
     counters follow vLLM's: a draft is one row's step that verified at least
     one draft token; ``accepted_per_position[i]`` counts drafts whose accepted
     path reached depth i + 1.
@@ -108,6 +116,7 @@ class EngineCounters:
 
     steps: int = 0
     verify_forwards: int = 0
+    prefill_forwards: int = 0
     adaptive_selected: int | None = None  # draft nodes the goodput controller kept in the last step (None: no adaptive row)
     drafts: int = 0
     draft_tokens: int = 0
@@ -465,38 +474,98 @@ class Scheduler:
     # ------------------------------------------------------------------ admit
 
     def _admit(self, events: list[Event]) -> None:
-        """Queued generations take the free rows, first come first served, each with its prefill."""
+        """Queued generations take the free rows, first come first served; their prompts run in few forwards."""
+        joining = []
         while self.queued and len(self.running) < self.max_batch_size:
             request = self.queued.popleft()
             self.running[request.handle] = request
             self._changes += 1
-            self._isolated(request, events, lambda: self._prefill(request, events))
+            joining.append(request)
+        for group in self._prefill_groups(joining):
+            if len(group) == 1:
+                self._isolated(group[0], events, lambda request=group[0]: self._prefill(request, events))
+            else:
+                self._prefill_together(group, events)
+
+    def _prefill_groups(self, joining: list[Request]) -> list[list[Request]]:
+        """Joining generations cut, in order, into groups whose prompts share one packed forward: at most
+        `PREFILL_TOKENS` tokens and `PREFILL_CELLS` mask cells a group (rows x the longest prompt, squared). Without
+        a batched cache (Hugging Face's forward) each is its own."""
+        groups: list[list[Request]] = []
+        tokens = longest = 0
+        for request in joining:
+            n = len(request.prompt_ids)
+            if (self.pool is not None and groups and tokens + n <= PREFILL_TOKENS
+                    and (len(groups[-1]) + 1) * max(longest, n) ** 2 <= PREFILL_CELLS):
+                groups[-1].append(request)
+                tokens, longest = tokens + n, max(longest, n)
+            else:
+                groups.append([request])
+                tokens, longest = n, n
+        return groups
+
+    def _layers(self, request: Request) -> tuple[int, ...]:
+        """The hidden layers a generation's prefill returns: its drafter's, and the observers' where it is recorded."""
+        recorded = self.observers.layers if request.record else ()
+        return tuple(sorted({*request.hidden_layers, *recorded}))
 
     def _prefill(self, request: Request, events: list[Event]) -> None:
-        """Take rows and run the prompt; the target's choice after it is the root (the first token)."""
+        """Take rows and run the prompt alone; the target's choice after it is the root (the first token)."""
         if self.pool is not None:
-            request.row, request.cache = self.pool.acquire()
+            if request.row is None:
+                request.row, request.cache = self.pool.acquire()
         else:
             request.cache = self.target.new_cache()
         ids = request.prompt_ids[None]  # (1, S)
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        recorded = self.observers.layers if request.record else ()
-        layers = tuple(sorted({*request.hidden_layers, *recorded}))
-        out = self.target.forward(ids, request.cache, positions, hidden_layers=layers, last_only=True)
+        self.counters.prefill_forwards += 1
+        out = self.target.forward(ids, request.cache, positions, hidden_layers=self._layers(request), last_only=True)
+        self._started(request, out.logits[0, -1], {i: h[0] for i, h in out.hidden.items()}, events)
+
+    def _prefill_together(self, group: list[Request], events: list[Event]) -> None:
+        """Run several prompts in one packed forward (each causal over its own row), then start each generation.
+
+        A forward that raises is undone (the rows emptied) and each prompt runs alone, so a failure is its own
+        generation's."""
+        for request in group:
+            request.row, request.cache = self.pool.acquire()
+        sizes = [len(r.prompt_ids) for r in group]
+        device = group[0].prompt_ids.device
+        layers = tuple(sorted({i for r in group for i in self._layers(r)}))
+        self.counters.prefill_forwards += 1
+        try:
+            out = self.target.forward_packed(
+                torch.cat([r.prompt_ids for r in group]), self.pool, [Segment(r.row, n) for r, n in zip(group, sizes)],
+                torch.cat([torch.arange(n, device=device) for n in sizes]), layers,
+                logits_at=torch.tensor(list(itertools.accumulate(sizes)), device=device) - 1,
+            )
+        except Exception:
+            for request in group:
+                request.cache.crop(0)
+                self._isolated(request, events, lambda request=request: self._prefill(request, events))
+            return
+        for k, (request, start) in enumerate(zip(group, itertools.accumulate(sizes, initial=0))):
+            hidden = {i: out.hidden[i][start : start + sizes[k]] for i in self._layers(request)}  # (S, H) each
+            self._isolated(request, events, lambda request=request, hidden=hidden, k=k: self._started(
+                request, out.logits[k], hidden, events))
+
+    def _started(self, request: Request, last: torch.Tensor, hidden: dict[int, torch.Tensor], events: list[Event]) -> None:
+        """A generation whose prompt ran: observers see it, its drafter starts on the prompt's states (S, H), and the
+        target's choice after the prompt, from its logits ``last`` (V,), is the root (the first token)."""
         if self.observers.layers:
-            states = _copied({i: out.hidden[i][0] for i in recorded}) if recorded else None
+            recorded = self.observers.layers if request.record else ()
+            states = _copied({i: hidden[i] for i in recorded}) if recorded else None
             self.observers.admitted(Admitted(request, states))
         if request.drafter is not None:
-            hidden = {i: out.hidden[i][0] for i in request.hidden_layers}  # (not the states only observers read)
+            own = {i: hidden[i] for i in request.hidden_layers}  # (not the states only observers read)
             draft_pool = self.draft_pools.get(request.drafter_name)
             if draft_pool is not None:
                 request.draft_row, draft_cache = draft_pool.acquire()
-                request.draft = request.drafter.start(request.prompt_ids, hidden, cache=draft_cache)
+                request.draft = request.drafter.start(request.prompt_ids, own, cache=draft_cache)
             else:
-                request.draft = request.drafter.start(request.prompt_ids, hidden)
+                request.draft = request.drafter.start(request.prompt_ids, own)
             request.behind = len(request.prompt_ids)
             request.draft_kv = request.draft.cache_tokens()
-        last = out.logits[0, -1]  # (V,)
         sampling = request.sampling
         request.root = int(sampling.ban(last).argmax()) if sampling.greedy else sampling.draw_one(sampling.probs(last))
         request.recorder.first_token()

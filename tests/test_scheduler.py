@@ -813,3 +813,68 @@ def test_a_generation_failing_in_a_batched_step_frees_its_row_and_the_batch_goes
     driver.run(a, c)
     for h, prompt in ((a, prompts[0]), (c, prompts[1])):
         assert driver.result(h).token_ids == gen.generate(prompt, max_new_tokens=20, eos_token_id=()).token_ids
+
+
+# --------------------------------------------------------------------------- prompts joining together
+
+
+def test_prompts_joining_together_run_in_one_forward_and_each_continues_as_alone(stories, dev_prompts, trained_eagle):
+    """Six prompts admitted at one step share one packed prefill (each causal over its own row); every row's first
+    token, its drafter's start (EAGLE reads the prompt's states) and its whole output are those of HF's greedy."""
+    eagle = sg.load_drafter(trained_eagle, stories)
+    prompts = [stories.encode(p) for p in dev_prompts[8:14]]
+    assert len(prompts) == 6
+    sched = sg.Scheduler(stories, {"eagle": eagle}, max_batch_size=6)
+    driver = Driver(sched)
+    tree = sg.DynamicTree(top_k=4, depth=5, budget=16)
+    handles = [sched.submit(p, 24, drafter="eagle" if i % 2 else "none", tree=tree if i % 2 else None,
+                            eos_token_id=()) for i, p in enumerate(prompts)]
+    driver.step()
+    assert sched.counters.prefill_forwards == 1
+    driver.run(*handles)
+    for handle, prompt in zip(handles, prompts):
+        assert driver.result(handle).token_ids == hf_generate(stories, prompt, 24, eos_token_id=None)
+    assert sched.counters.prefill_forwards == 1
+    for handle, prompt in zip(handles[1::2], prompts[1::2]):  # the head drafts from the packed prefill's states
+        alone = sg.SpeculativeGenerator(stories, eagle, tree=tree).generate(prompt, 24, eos_token_id=())
+        assert driver.result(handle).stats.accept_length_histogram == alone.stats.accept_length_histogram
+    assert max(driver.result(h).stats.mean_accepted_length for h in handles[1::2]) > 2.0
+
+
+def test_prefill_groups_keep_to_their_token_and_mask_budgets(stories, dev_prompts, monkeypatch):
+    import specgraft.infer.scheduler as scheduler
+
+    prompts = [stories.encode(p) for p in dev_prompts[14:20]]
+    assert len(prompts) == 6
+    sched = sg.Scheduler(stories, max_batch_size=6)
+    requests = [sched.running.get(sched.submit(p, 4, eos_token_id=())) for p in prompts]  # queued, not admitted
+    queued = list(sched.queued)
+    sizes = [len(r.prompt_ids) for r in queued]
+    monkeypatch.setattr(scheduler, "PREFILL_TOKENS", sizes[0] + sizes[1])  # the first two fit, the third does not
+    groups = sched._prefill_groups(queued)
+    assert [len(g) for g in groups][0] == 2 and sum(len(g) for g in groups) == 6
+    assert all(sum(len(r.prompt_ids) for r in g) <= sizes[0] + sizes[1] for g in groups)
+    assert [r for g in groups for r in g] == queued  # in order
+    monkeypatch.setattr(scheduler, "PREFILL_CELLS", min(sizes) ** 2)  # less than any two rows' masks: each alone
+    assert [len(g) for g in sched._prefill_groups(queued)] == [1] * 6
+    assert requests == [None] * 6
+
+
+def test_a_packed_prefill_that_raises_is_undone_and_each_prompt_runs_alone(stories, dev_prompts, monkeypatch):
+    prompts = [stories.encode(p) for p in dev_prompts[20:23]]
+    assert len(prompts) == 3
+    packed = stories.forward_packed
+
+    def failing(*args, logits_at=None, **kwargs):
+        if logits_at is not None:
+            raise RuntimeError("out of memory")
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(stories, "forward_packed", failing)
+    sched = sg.Scheduler(stories, max_batch_size=3)
+    driver = Driver(sched)
+    handles = [sched.submit(p, 16, eos_token_id=()) for p in prompts]
+    driver.run(*handles)
+    assert sched.counters.prefill_forwards == 1 + 3  # the packed one, then one a prompt
+    for handle, prompt in zip(handles, prompts):
+        assert driver.result(handle).token_ids == hf_generate(stories, prompt, 16, eos_token_id=None)

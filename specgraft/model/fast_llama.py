@@ -626,6 +626,7 @@ class FastLlama:
         segments: Sequence[Segment],
         position_ids: torch.Tensor,
         hidden_layers: tuple[int, ...] = (),
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run several rows' new tokens, concatenated, in one forward: logits (N, V) and hidden states (N, H).
 
@@ -637,6 +638,7 @@ class FastLlama:
             pool: the rows' cache; each segment's row gets its tokens' slots after its own length.
             segments: one per row, N tokens in all.
             hidden_layers: as in `forward`.
+            logits_at: (M,) the tokens whose logits are wanted (a prefill wants each prompt's last): logits (M, V).
         """
         wanted = self.taps(hidden_layers)
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
@@ -654,7 +656,9 @@ class FastLlama:
         x = rms_norm(x, self.final_norm, self.eps)  # (1, N, H)
         if self.num_layers in wanted:
             states[self.num_layers] = x[0]
-        logits = self.linear(x, self.lm_head, self.lm_head_bias)[0]  # (N, V)
+        if logits_at is not None:
+            x = x[:, logits_at]  # (1, M, H)
+        logits = self.linear(x, self.lm_head, self.lm_head_bias)[0]  # (N or M, V)
         return logits, {i: states[i % (self.num_layers + 1)] for i in hidden_layers} if hidden_layers else {}
 
     def mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:

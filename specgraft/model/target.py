@@ -259,6 +259,7 @@ class Target:
         segments: Sequence[Segment],
         position_ids: torch.Tensor,
         hidden_layers: Sequence[int] = (),
+        logits_at: torch.Tensor | None = None,
     ) -> ModelOutput:
         """One forward over several rows' new tokens, concatenated (fast path only; see `FastLlama.forward_packed`).
 
@@ -266,13 +267,18 @@ class Target:
             input_ids, position_ids: (N,) every segment's tokens and RoPE positions, segment by segment.
             cache: the batched cache whose rows the segments name; each row's length grows by its tokens.
             segments: one `Segment` per row: its row, token count and tree visibility.
+            logits_at: (M,) the only tokens whose logits are computed (prompts' last tokens in a prefill, whose
+                shapes are never captured).
 
         Returns:
-            logits (N, V) and hidden layer -> (N, H), packed as the inputs are.
+            logits (N or M, V) and hidden layer -> (N, H), packed as the inputs are.
         """
         if self.fast is None:
             raise TypeError(f"target {self.name!r} runs Hugging Face's forward: it verifies rows one by one")
-        if self.capture:
+        if logits_at is not None:
+            logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers),
+                                                      logits_at)
+        elif self.capture:
             captured = self._captured
             if captured is None or captured.pool is not cache:
                 captured = self._captured = CapturedForward(self.fast, cache)
