@@ -530,6 +530,7 @@ def test_capture_runs_the_batch_sweep_through_the_static_forward_with_the_same_o
     assert bench_main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["greedy_identical"] and printed["settings"]["capture"] is True
+    assert printed["settings"]["captured"]["eager"] > 0 and printed["settings"]["captured"]["graphs"] == 0  # CPU
     assert {(r["method"], r["batch_size"]) for r in printed["rows"]} == {(m, b) for m in ("plain", "self chain:3") for b in (1, 2)}
     assert "static shapes" in (tmp_path / "out" / "results.md").read_text()
 

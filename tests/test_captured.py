@@ -124,7 +124,7 @@ def test_a_captured_target_gives_every_drafter_kind_the_targets_greedy_output(ca
     assert driver.result(handles[2]).stats.mean_accepted_length > 2.0  # the trained head accepted deep paths
     lone = sg.SpeculativeGenerator(captured, eagle, tree=sg.Chain(4)).generate(prompts[0], 30, eos_token_id=())
     assert lone.token_ids == hf_generate(captured, prompts[0], 30, eos_token_id=None)
-    assert captured._captured.eager > 0 and captured._captured.pool.scratch_row is not None
+    assert captured.captured.eager > 0 and captured.captured.pool.scratch_row is not None
 
 
 def test_sampled_rows_through_a_captured_target_follow_their_own_distributions():
@@ -160,7 +160,7 @@ def test_sampled_rows_through_a_captured_target_follow_their_own_distributions()
             driver.step()
         for i, handle in handles:
             counts[i][tuple(driver.result(handle).token_ids)] += 1
-    assert target._captured.eager == sched.counters.verify_forwards == sched.counters.steps
+    assert target.captured.eager == sched.counters.verify_forwards == sched.counters.steps
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"

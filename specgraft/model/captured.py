@@ -87,7 +87,11 @@ class CapturedForward:
         self.cos, self.sin = fast._rope_table  # (P, D) each, P >= the pool's slots
         self.graphs: dict[Shape, _Graph] = {}
         self.memory = None  # the graphs' shared memory pool, made with the first
-        self.captures = self.replays = self.eager = 0
+        self.captures = self.replays = self.eager = 0  # forwards that captured a graph, replayed one, or ran eager
+
+    def stats(self) -> dict[str, int]:
+        """What the forwards did so far, for reports: graphs captured, replays, eager runs."""
+        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays, "eager": self.eager}
 
     @torch.inference_mode()
     def __call__(

@@ -134,7 +134,7 @@ class Target:
             raise ValueError(f"capture=True needs the fast path, and {self.name!r} runs Hugging Face's forward "
                              f"({unsupported_reason(model) or 'fast=False'})")
         self.capture = capture
-        self._captured: CapturedForward | None = None  # the last pool's: its graphs hold that pool's addresses
+        self.captured: CapturedForward | None = None  # the last pool's (its graphs hold that pool's addresses)
         self.threads: ThreadChoice | None = None  # what `load_target` set torch's CPU threads to, and why
         # HF's forward is called with the cache under the keyword it takes; the fast path needs none.
         self.cache_keyword = cache_keyword(type(model)) if self.fast is None else None
@@ -279,9 +279,9 @@ class Target:
             logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers),
                                                       logits_at)
         elif self.capture:
-            captured = self._captured
+            captured = self.captured
             if captured is None or captured.pool is not cache:
-                captured = self._captured = CapturedForward(self.fast, cache)
+                captured = self.captured = CapturedForward(self.fast, cache)
             logits, hidden = captured(input_ids, segments, position_ids, tuple(hidden_layers))
         else:
             logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers))

@@ -489,6 +489,8 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
             return 130
     results["settings"].update(threads=torch.get_num_threads(), threads_choice=threads_why, prompts_file=str(args.prompts),
                                small_rows=target.small_rows.to_dict(), capture=target.capture)
+    if target.captured is not None:  # what the static forward did: graphs captured and replayed (CUDA), or eager
+        results["settings"]["captured"] = target.captured.stats()
     if engines:
         results["settings"]["vllm"] = {"version": engines[0][1].version, "core": args.vllm_core,
                                        "load_s": {name: engine.load_s for name, engine in engines}}
