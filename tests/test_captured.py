@@ -23,12 +23,13 @@ def captured(stories):
     return sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
 
 
-def random_step(rng: random.Random, pools, rows: int, vocab: int):
-    """Segments over a random subset of ``rows`` (out of order): one-token rows, chains and trees; tokens, positions."""
-    held = rng.sample(range(rows), rng.randint(1, rows))
+def random_step(rng: random.Random, pools, rows: int, vocab: int, plain: bool = False):
+    """Segments over a random subset of ``rows`` (out of order): one-token rows, chains and trees; tokens, positions.
+    ``plain``: every row, one token each (plain decoding)."""
+    held = list(range(rows)) if plain else rng.sample(range(rows), rng.randint(1, rows))
     segments, tokens, positions = [], [], []
     for row in held:
-        size = rng.choice([1, 1, 2, 4, 5, 8, 9])  # a tree as wide as its bucket, and narrower ones
+        size = 1 if plain else rng.choice([1, 1, 2, 4, 5, 8, 9])  # a tree as wide as its bucket, and narrower ones
         visible = None
         if size > 1 and rng.random() < 0.7:  # a tree: every node sees the root, itself and one random earlier node
             visible = torch.eye(size, dtype=torch.bool)
@@ -69,6 +70,52 @@ def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(st
         held = len(packed.views[row])
         torch.testing.assert_close(static.kv[:, :, row, :, :held], packed.kv[:, :, row, :, :held], rtol=1e-4, atol=1e-5)
     assert len(shapes) > 2 and forward.eager == 8 and forward.captures == forward.replays == 0  # CPU: eager
+
+
+class Rerun:
+    """A recorder that does on a CPU what a CUDA graph does: a replay computes the captured forward again from the
+    graph's own input buffers and writes its results into the outputs of the capture."""
+
+    def warm_up(self, run):
+        return run()
+
+    def capture(self, run):
+        outputs = run()  # a graph only records here; running writes the cache slots the warm-up wrote, with the same values
+
+        def replay():
+            logits, hidden = run()
+            outputs[0].copy_(logits)
+            for layer, state in hidden.items():
+                outputs[1][layer].copy_(state)
+
+        return replay, outputs
+
+
+def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(stories):
+    """The capture-and-replay bookkeeping, with graphs emulated: every replay sees its own step's tokens, positions,
+    slots and tree masks (copied into the graph's buffers), what it returns is never rewritten by a later replay, and
+    shapes beyond `most_graphs` run eager."""
+    fast, rows, rng = stories.fast, 5, random.Random(1)
+    packed = fast.new_batched_cache(rows, 400)
+    static = fast.new_batched_cache(rows, 400, scratch=True)
+    forward = CapturedForward(fast, static, most_graphs=3, recorder=Rerun())
+    for row in range(rows):  # every row under 256 slots throughout: shapes differ by tokens and tree width only
+        n = rng.randint(20, 100)
+        ids = torch.tensor([[rng.randrange(stories.vocab_size) for _ in range(n)]])
+        for pool in (packed, static):
+            fast.forward(ids, pool.acquire(row)[1], torch.arange(n)[None])
+    returned = []
+    for step in range(14):
+        segments, tokens, positions = random_step(rng, (packed, static), rows, stories.vocab_size, plain=step % 2 == 0)
+        want, want_states = fast.forward_packed(tokens, packed, segments, positions, (2,))
+        got, states = forward(tokens, segments, positions, (2,))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(states[2], want_states[2], rtol=1e-4, atol=1e-4)
+        returned.append((got, got.clone(), states[2], states[2].clone()))
+    for got, kept, state, kept_state in returned:  # no later replay wrote into what an earlier step was handed
+        assert torch.equal(got, kept) and torch.equal(state, kept_state)
+    assert forward.captures == len(forward.graphs) == 3
+    assert forward.replays >= 6 and forward.eager > 0 and forward.captures + forward.replays + forward.eager == 14
 
 
 def test_padding_writes_only_the_scratch_row_and_each_token_its_own_slot(stories):

@@ -21,8 +21,8 @@ attended (bucket), H hidden, Hq / Hkv heads, D head_dim, V vocab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,15 +50,44 @@ class Shape:
     layers: tuple[int, ...]
 
 
+Outputs = tuple[torch.Tensor, dict[int, torch.Tensor]]  # logits (Np, V), hidden layer -> (Np, H)
+
+
+class CudaGraphs:
+    """How `CapturedForward` records a forward once and replays it: CUDA graphs, sharing one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.memory = None  # the graphs' shared memory pool, made with the first
+
+    def warm_up(self, run: Callable[[], Outputs]) -> Outputs:
+        """Run once on a side stream, as capture wants (this run is the step's own work: its results are returned)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            outputs = run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return outputs
+
+    def capture(self, run: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+        """Record ``run``'s kernels without running them; returns the replay and the outputs every replay rewrites."""
+        graph = torch.cuda.CUDAGraph()
+        if self.memory is None:
+            self.memory = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.memory):
+            outputs = run()
+        return graph.replay, outputs
+
+
 @dataclass
 class _Graph:
-    """One captured shape: its input buffers, its outputs (overwritten by every replay) and the graph."""
+    """One captured shape: its input buffers, the replay, and its outputs (rewritten by every replay)."""
 
     index: torch.Tensor  # (5 Np + 2 R,) long: ids, positions, token rows, token slots, grid cells; seen, tree starts
     block: torch.Tensor  # (R, T, T) bool: each row's tree visibility
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor = field(default=None)  # (Np, V)
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (Np, H)
+    replay: Callable[[], None]
+    logits: torch.Tensor  # (Np, V)
+    hidden: dict[int, torch.Tensor]  # layer -> (Np, H)
 
 
 class CapturedForward:
@@ -67,12 +96,16 @@ class CapturedForward:
     Args:
         fast: the target's forward; its weights are read where they are, so they must not move once captured.
         pool: the batched cache the rows live in; it must have a scratch row (``BatchedKVCache(scratch=True)``).
+        most_graphs: graphs kept; a shape beyond them runs eager.
+        recorder: what captures and replays (default: `CudaGraphs` on CUDA, none elsewhere: every call eager).
 
     Raises:
         ValueError: a pool without a scratch row, or a rope type whose frequencies follow the sequence length.
     """
 
-    def __init__(self, fast: FastLlama, pool: BatchedKVCache, most_graphs: int = MOST_GRAPHS) -> None:
+    def __init__(
+        self, fast: FastLlama, pool: BatchedKVCache, most_graphs: int = MOST_GRAPHS, recorder: CudaGraphs | None = None,
+    ) -> None:
         if pool.scratch_row is None:
             raise ValueError("a captured forward needs a pool with a scratch row (BatchedKVCache(scratch=True)): "
                              "padding tokens write their keys/values there")
@@ -86,7 +119,7 @@ class CapturedForward:
         # The table every position reads, held here: a later, larger cache may grow the model's, never this one.
         self.cos, self.sin = fast._rope_table  # (P, D) each, P >= the pool's slots
         self.graphs: dict[Shape, _Graph] = {}
-        self.memory = None  # the graphs' shared memory pool, made with the first
+        self.recorder = recorder if recorder is not None else CudaGraphs(self.device) if self.device.type == "cuda" else None
         self.captures = self.replays = self.eager = 0  # forwards that captured a graph, replayed one, or ran eager
 
     def stats(self) -> dict[str, int]:
@@ -128,36 +161,28 @@ class CapturedForward:
         """W for rows that hold ``width`` slots after this step's tokens: a multiple of `SLOT_BUCKET`, at most the pool's."""
         return min(self.pool.max_len, -(-width // SLOT_BUCKET) * SLOT_BUCKET)
 
-    def _forward(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Replay ``shape``'s graph on these inputs, capture it on its first call, or run eager (off CUDA, or past
-        `most_graphs`). Outputs are the caller's own (a replay's are copied out of the graph's buffers)."""
+    def _forward(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> Outputs:
+        """Replay ``shape``'s graph on these inputs, capture it on its first call, or run eager (no graphs here, or
+        past `most_graphs`). Outputs are the caller's own (a replay's are copied out of the graph's buffers)."""
         graph = self.graphs.get(shape)
         if graph is not None:
             graph.index.copy_(index)
             graph.block.copy_(block)
-            graph.graph.replay()
+            graph.replay()
             self.replays += 1
             return graph.logits.clone(), {i: h.clone() for i, h in graph.hidden.items()}
-        if self.device.type != "cuda" or len(self.graphs) >= self.most_graphs:
+        if self.recorder is None or len(self.graphs) >= self.most_graphs:
             self.eager += 1
             return self._run(shape, index, block)
-        # Warm up on a side stream (this run is the step's own work: its results are returned), then capture.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            logits, hidden = self._run(shape, index, block)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = _Graph(index.clone(), block.clone(), torch.cuda.CUDAGraph())
-        if self.memory is None:
-            self.memory = torch.cuda.graph_pool_handle()
+        outputs = self.recorder.warm_up(lambda: self._run(shape, index, block))
+        buffers = index.clone(), block.clone()
         # Capturing records the kernels without running them: the pool's slots keep what the warm-up wrote.
-        with torch.cuda.graph(graph.graph, pool=self.memory):
-            graph.logits, graph.hidden = self._run(shape, graph.index, graph.block)
-        self.graphs[shape] = graph
+        replay, (logits, hidden) = self.recorder.capture(lambda: self._run(shape, *buffers))
+        self.graphs[shape] = _Graph(*buffers, replay, logits, hidden)
         self.captures += 1
-        return logits, hidden
+        return outputs
 
-    def _run(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _run(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> Outputs:
         """The forward itself, every shape static: logits (Np, V) and the requested hidden states (Np, H)."""
         fast, kv = self.fast, self.pool.kv
         np_, t, w = shape.tokens, shape.width, shape.slots
