@@ -211,3 +211,13 @@ def test_sampled_rows_through_a_captured_target_follow_their_own_distributions()
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"
+
+
+def test_the_environment_turns_capture_on_where_load_target_is_not_told(stories, monkeypatch):
+    from conftest import STORIES
+
+    monkeypatch.setenv("SPECGRAFT_CAPTURE", "1")
+    assert sg.load_target(STORIES).capture and not sg.load_target(STORIES, capture=False).capture
+    monkeypatch.setenv("SPECGRAFT_CAPTURE", "yes")
+    with pytest.raises(ValueError, match="SPECGRAFT_CAPTURE='yes' must be 0 or 1"):
+        sg.load_target(STORIES)

@@ -263,7 +263,7 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_capture_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capture", action="store_true", help=CAPTURE_HELP)
+    parser.add_argument("--capture", action="store_true", default=None, help=CAPTURE_HELP)  # absent: SPECGRAFT_CAPTURE
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

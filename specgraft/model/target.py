@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -37,6 +38,7 @@ from specgraft.model.fast_llama import FastLlama, Segment, unsupported_reason
 from specgraft.model.small_rows import MODES as SMALL_ROW_MODES, SmallRowChoice
 from specgraft.threads import ThreadChoice, apply_threads, choose_threads
 
+CAPTURE_ENV = "SPECGRAFT_CAPTURE"  # "1": load_target captures where it is not told (whole test runs on that path)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Attention backends that honour an arbitrary 4D additive mask. flash_attention_2
 # takes no such mask, so a tree would silently attend to its siblings.
@@ -408,7 +410,7 @@ def load_target(
     threads: int | str | None = "auto",
     gguf_file: str | None = None,
     small_rows: str | None = None,
-    capture: bool = False,
+    capture: bool | None = None,
 ) -> Target:
     """Load a frozen target from a local path, a hub id, or a built `PreTrainedModel`.
 
@@ -429,7 +431,9 @@ def load_target(
     one form. The choice is ``target.small_rows``. ``capture=True`` runs the
     engine's batched verification forward at static shapes, captured once per
     size as a CUDA graph on CUDA (`specgraft.model.captured`; off CUDA it runs
-    eager and is slower than the packed forward).
+    eager and is slower than the packed forward); None reads
+    ``SPECGRAFT_CAPTURE`` ("1" on, default off), so a whole test run can take
+    the captured path.
 
     Raises:
         FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
@@ -442,6 +446,12 @@ def load_target(
         TypeError: a forward that takes no KV cache keyword.
     """
     choose_threads(0, "cpu", threads)  # a bad value fails before the model loads
+    if capture is None:
+        value = os.environ.get(CAPTURE_ENV, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{CAPTURE_ENV}={value!r} must be 0 or 1")
+        capture = value == "1"
+
     if small_rows is not None and small_rows not in SMALL_ROW_MODES:
         raise ValueError(f"small_rows={small_rows!r} must be one of {', '.join(SMALL_ROW_MODES)}")
     target = load_model(
