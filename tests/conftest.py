@@ -40,6 +40,18 @@ def stories():
     return sg.load_target(STORIES)
 
 
+def uncaptured(target):
+    """``target`` with its verification forward packed, not captured (the same model and fast path): the default
+    path whose counts and forward kinds a test describes, also in a run where SPECGRAFT_CAPTURE=1 captures."""
+    import copy
+
+    if not target.capture:
+        return target
+    plain = copy.copy(target)
+    plain.capture, plain.captured = False, None
+    return plain
+
+
 @pytest.fixture(scope="session")
 def dev_prompts() -> list[str]:
     if not DEV_PROMPTS.is_file():

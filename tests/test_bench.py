@@ -293,6 +293,9 @@ def test_hf_sampling_options_switch_off_shipped_filters():
 
 
 def test_report_files_and_keys(stories, tmp_path):
+    from conftest import uncaptured
+
+    stories = uncaptured(stories)  # the packed path's counts, below
     methods = [("prompt-lookup", sg.PromptLookup(), None), ("self chain:3", sg.DraftModel(stories, stories), sg.Chain(3))]
     results = run_bench(stories, methods, PROMPTS, max_new_tokens=N, baselines=("plain", "hf", "hf-pld"),
                         warmup=1, out_dir=tmp_path, progress=False)
@@ -499,7 +502,9 @@ def test_dev_prompt_file_is_the_spec_bench_format():
     assert [p.id for p in prompts] == ["0", "1", "2"] and prompts[0].text.startswith("Once upon a time")
 
 
-def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(stories, prompts_file, tmp_path, capsys):
+def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(stories, prompts_file, tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("SPECGRAFT_CAPTURE", "0")  # the packed path's counts, below
     args = _args("--target", str(STORIES), "--drafter", "prompt-lookup", "--drafter", "self", "--tree", "chain:3",
                  "--tree", "adaptive", "--prompts", str(prompts_file), "--max-new-tokens", str(N), "--batch-size", "2,1",
                  "--out", str(tmp_path / "out"), "--json")

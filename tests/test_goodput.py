@@ -813,7 +813,10 @@ class Committing(StepObserver):
 def test_the_scheduler_reports_tokens_behind_each_round_and_which_forwards_paid_for_trees(stories, monkeypatch):
     """A draft round is timed with the tokens its rows were behind (the prompt, then every commit since their last
     round); a forward is reported masked only when it paid for trees: a chain alone runs causal, a batch packed
-    with a tree pays."""
+    with a tree pays (on the packed path; a captured forward masks every one)."""
+    from conftest import uncaptured
+
+    stories = uncaptured(stories)
     steps, rounds, forwards = draft_every(monkeypatch, 3, levels=2), [], []
     monkeypatch.setattr(GoodputController, "observe_draft",
                         lambda self, d, rows, levels, s, behind: rounds.append((steps[0], behind)))

@@ -72,6 +72,14 @@ def steady(target, batch: int, drafters: dict | None = None, prompt: str = "Once
     return scheduler
 
 
+@pytest.fixture(scope="session")
+def stories(stories):
+    """The default path's counts: the verification forward packed, even where SPECGRAFT_CAPTURE=1 captures it."""
+    from conftest import uncaptured
+
+    return uncaptured(stories)
+
+
 def assert_syncs(target, budget: int, drafters: dict | None = None, **options) -> None:
     """At batch 16 a decoding step syncs at most ``budget`` times, and a lone row's at most `ALONE_SYNCS` (the
     failure names where it synced)."""
