@@ -1,10 +1,10 @@
 """The one batch engine: every running generation advanced by one step, in one target forward.
 
 A generation joins between steps: its prompt is prefilled (its first
-token), in one packed forward with the others joining at that step (a few
+token) in one packed forward with the others joining at that step (a few
 thousand tokens at most; Hugging Face's forward: one prompt a forward),
-then it takes part in that same step's verification. One that finishes, fails or is cancelled leaves at once and
-frees its rows. Each generation carries its own drafter (by name, from the
+then it takes part in that same step's verification. One that finishes,
+fails or is cancelled leaves at once and frees its rows. Each generation carries its own drafter (by name, from the
 scheduler's pool of loaded drafters), tree, sampling, acceptance rule, stop
 rule and stats (`Request`), so generations with different `speculative`
 settings share every step.
