@@ -116,6 +116,8 @@ def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(storie
         assert torch.equal(got, kept) and torch.equal(state, kept_state)
     assert forward.captures == len(forward.graphs) == 3
     assert forward.replays >= 6 and forward.eager > 0 and forward.captures + forward.replays + forward.eager == 14
+    stats = forward.stats()
+    assert stats["graphs"] == stats["captures"] == 3 and stats["capture_seconds"] > 0
 
 
 def test_padding_writes_only_the_scratch_row_and_each_token_its_own_slot(stories):

@@ -21,6 +21,7 @@ attended (bucket), H hidden, Hq / Hkv heads, D head_dim, V vocab.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -121,10 +122,12 @@ class CapturedForward:
         self.graphs: dict[Shape, _Graph] = {}
         self.recorder = recorder if recorder is not None else CudaGraphs(self.device) if self.device.type == "cuda" else None
         self.captures = self.replays = self.eager = 0  # forwards that captured a graph, replayed one, or ran eager
+        self.capture_seconds = 0.0  # host time of the capturing calls, warm-ups included: the first calls' cost
 
-    def stats(self) -> dict[str, int]:
-        """What the forwards did so far, for reports: graphs captured, replays, eager runs."""
-        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays, "eager": self.eager}
+    def stats(self) -> dict[str, int | float]:
+        """What the forwards did so far, for reports: graphs captured, replays, eager runs, seconds capturing."""
+        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays, "eager": self.eager,
+                "capture_seconds": round(self.capture_seconds, 3)}
 
     @torch.inference_mode()
     def __call__(
@@ -174,12 +177,14 @@ class CapturedForward:
         if self.recorder is None or len(self.graphs) >= self.most_graphs:
             self.eager += 1
             return self._run(shape, index, block)
+        begun = time.perf_counter()
         outputs = self.recorder.warm_up(lambda: self._run(shape, index, block))
         buffers = index.clone(), block.clone()
         # Capturing records the kernels without running them: the pool's slots keep what the warm-up wrote.
         replay, (logits, hidden) = self.recorder.capture(lambda: self._run(shape, *buffers))
         self.graphs[shape] = _Graph(*buffers, replay, logits, hidden)
         self.captures += 1
+        self.capture_seconds += time.perf_counter() - begun
         return outputs
 
     def _run(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> Outputs:

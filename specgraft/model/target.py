@@ -432,8 +432,8 @@ def load_target(
     engine's batched verification forward at static shapes, captured once per
     size as a CUDA graph on CUDA (`specgraft.model.captured`; off CUDA it runs
     eager and is slower than the packed forward); None reads
-    ``SPECGRAFT_CAPTURE`` ("1" on, default off), so a whole test run can take
-    the captured path.
+    ``SPECGRAFT_CAPTURE`` ("1": on wherever the fast path runs; default off),
+    so a whole test run can take the captured path.
 
     Raises:
         FileNotFoundError: a path that does not exist, or a ``gguf_file`` not in it.
@@ -446,7 +446,8 @@ def load_target(
         TypeError: a forward that takes no KV cache keyword.
     """
     choose_threads(0, "cpu", threads)  # a bad value fails before the model loads
-    if capture is None:
+    from_env = capture is None
+    if from_env:
         value = os.environ.get(CAPTURE_ENV, "0")
         if value not in ("0", "1"):
             raise ValueError(f"{CAPTURE_ENV}={value!r} must be 0 or 1")
@@ -456,8 +457,9 @@ def load_target(
         raise ValueError(f"small_rows={small_rows!r} must be one of {', '.join(SMALL_ROW_MODES)}")
     target = load_model(
         path_or_model, tokenizer=tokenizer, dtype=dtype, device=device, attn_implementation=attn_implementation,
-        fast=fast, gguf_file=gguf_file, capture=capture,
+        fast=fast, gguf_file=gguf_file, capture=capture and not from_env,
     )
+    target.capture = capture and target.fast is not None  # the environment's capture: wherever the fast path runs
     target.threads = apply_threads(target.model, threads)
     if target.fast is not None:  # timed at the thread count the model will run with
         target.fast.choose_small_rows(small_rows)
