@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""What a decoding step launches besides its captured forward, counted on a CPU.
+
+    python benchmarks/captured_counts.py --target ../shared/models/stories260K --drafter runs/eagle-stories260k/head \\
+        --tree chain:4 --tree dynamic:4,5,16
+
+A CUDA graph replays the target's whole verification forward in one launch; what else a step launches (drafting,
+acceptance, the copies into and out of the graph's buffers) still counts on a GPU. Here the replay is emulated: a
+recorder whose replay computes the forward again from the graph's own buffers with the counter switched off, so the
+counts are a captured step's, less its one replay. Prints kernels / syncs a step (`specgraft.tools.step_counts`) for
+plain decoding and each tree, at batch 1 and 16, captured and packed (the default), and how many steps replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+import specgraft as sg
+from specgraft.model.captured import CapturedForward
+from specgraft.tools.step_counts import count_steps
+
+WARM_STEPS, COUNTED_STEPS = 6, 10
+
+
+class Uncounted:
+    """Graphs emulated: a replay runs the captured forward from its buffers, unseen by the counter."""
+
+    def warm_up(self, run):
+        return run()
+
+    def capture(self, run):
+        outputs = run()
+
+        def replay() -> None:
+            with _disable_current_modes():
+                logits, hidden = run()
+                outputs[0].copy_(logits)
+                for layer, state in hidden.items():
+                    outputs[1][layer].copy_(state)
+
+        return replay, outputs
+
+
+def counts(target, drafter, tree: str | None, batch: int, captured: bool) -> tuple[float, float, int]:
+    """Kernels and syncs a steady step of ``batch`` rows, and the counted steps that replayed."""
+    sched = sg.Scheduler(target, {"d": drafter} if drafter is not None else {}, max_batch_size=batch)
+    if captured:
+        target.captured = CapturedForward(target.fast, sched.pool, recorder=Uncounted())
+    for k in range(batch):
+        sched.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=200, eos_token_id=(),
+                     drafter="d" if drafter is not None else "none", tree=sg.parse_tree_spec(tree) if tree else None)
+    for _ in range(WARM_STEPS):  # every shape of the counted steps captured first
+        sched.step()
+    replays = target.captured.replays if captured else 0
+    c = count_steps(sched.step, COUNTED_STEPS)
+    return c.kernels_per_step, c.syncs_per_step, (target.captured.replays - replays) if captured else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", default=None, help="a trained head directory (default: plain decoding only)")
+    parser.add_argument("--tree", action="append", default=[], help="a tree spec for the drafter (repeatable)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = sg.load_target(args.target, capture=True, small_rows="linear")
+    drafter = sg.load_drafter(args.drafter, target) if args.drafter else None
+    print(f"| method | batch | captured: kernels / syncs a step (replays of {COUNTED_STEPS}) | packed |")
+    print("|---|---:|---:|---:|")
+    for name, d, tree in [("plain", None, None)] + [(f"{args.drafter} {t}", drafter, t) for t in args.tree]:
+        for batch in (1, 16):
+            kernels, syncs, replays = counts(target, d, tree, batch, captured=True)
+            target.capture, target.captured = False, None
+            packed = counts(target, d, tree, batch, captured=False)
+            target.capture = True
+            print(f"| {name} | {batch} | {kernels:,.0f} / {syncs:.1f} ({replays}) | {packed[0]:,.0f} / {packed[1]:.1f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
