@@ -166,6 +166,28 @@ def test_trees_of_two_to_four_nodes_match_hf(pair, parents):
     assert pair.kv_difference() < TOL
 
 
+@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive-one-row-for-all", "2d"])
+def test_folded_attention_equals_attention_over_keys_repeated_for_each_head(queries, mask):
+    """GQA with each group of query heads folded into its key/value head's rows (what a masked forward on CUDA and
+    one query a row on CPU run) against HF's way: keys and values repeated for each query head."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(queries)
+    b, heads, kv_heads, slots, dim = 3, 8, 2, 11, 16
+    q = torch.randn(b, heads, queries, dim, generator=gen)
+    k, v = torch.randn(b, kv_heads, slots, dim, generator=gen), torch.randn(b, kv_heads, slots, dim, generator=gen)
+    visible = torch.rand(b, 1, queries, slots, generator=gen) > 0.4
+    visible[..., 0] = True  # every query sees something
+    attn = {"none": None, "bool": visible, "additive-one-row-for-all": fast_llama.additive(visible[:1], torch.float32),
+            "2d": visible[0, 0]}[mask]
+    if attn is None and queries > 1:
+        pytest.skip("no mask with several queries is the causal path, which is not folded")
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=attn, scale=0.3)
+    got = fast_llama.folded_attention(q, k, v, attn, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_takes_the_chosen_form_per_shape_and_rows_and_each_equals_f_linear(rows, bias, monkeypatch):
