@@ -19,36 +19,17 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import specgraft as sg
-from specgraft.model.captured import CapturedForward
+from specgraft.model.captured import CapturedForward, Recomputed
 from specgraft.tools.step_counts import count_steps
 
 WARM_STEPS, COUNTED_STEPS = 6, 10
-
-
-class Uncounted:
-    """Graphs emulated: a replay runs the captured forward from its buffers, unseen by the counter."""
-
-    def warm_up(self, run):
-        return run()
-
-    def capture(self, run):
-        outputs = run()
-
-        def replay() -> None:
-            with _disable_current_modes():
-                logits, hidden = run()
-                outputs[0].copy_(logits)
-                for layer, state in hidden.items():
-                    outputs[1][layer].copy_(state)
-
-        return replay, outputs
 
 
 def counts(target, drafter, tree: str | None, batch: int, captured: bool) -> tuple[float, float, int]:
     """Kernels and syncs a steady step of ``batch`` rows, and the counted steps that replayed."""
     sched = sg.Scheduler(target, {"d": drafter} if drafter is not None else {}, max_batch_size=batch)
     if captured:
-        target.captured = CapturedForward(target.fast, sched.pool, recorder=Uncounted())
+        target.captured = CapturedForward(target.fast, sched.pool, recorder=Recomputed(around=_disable_current_modes))
     for k in range(batch):
         sched.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=200, eos_token_id=(),
                      drafter="d" if drafter is not None else "none", tree=sg.parse_tree_spec(tree) if tree else None)

@@ -14,7 +14,7 @@ from test_scheduler import BRANCHING_TREE, Driver, ROW_FILTERS, ROW_TEMPERATURES
 
 import specgraft as sg
 from specgraft.model import Segment
-from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Shape, bucket
+from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Recomputed, Shape, bucket
 
 
 @pytest.fixture(scope="module")
@@ -72,25 +72,6 @@ def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(st
     assert len(shapes) > 2 and forward.eager == 8 and forward.captures == forward.replays == 0  # CPU: eager
 
 
-class Rerun:
-    """A recorder that does on a CPU what a CUDA graph does: a replay computes the captured forward again from the
-    graph's own input buffers and writes its results into the outputs of the capture."""
-
-    def warm_up(self, run):
-        return run()
-
-    def capture(self, run):
-        outputs = run()  # a graph only records here; running writes the cache slots the warm-up wrote, with the same values
-
-        def replay():
-            logits, hidden = run()
-            outputs[0].copy_(logits)
-            for layer, state in hidden.items():
-                outputs[1][layer].copy_(state)
-
-        return replay, outputs
-
-
 def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(stories):
     """The capture-and-replay bookkeeping, with graphs emulated: every replay sees its own step's tokens, positions,
     slots and tree masks (copied into the graph's buffers), what it returns is never rewritten by a later replay, and
@@ -98,7 +79,7 @@ def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(storie
     fast, rows, rng = stories.fast, 5, random.Random(1)
     packed = fast.new_batched_cache(rows, 400)
     static = fast.new_batched_cache(rows, 400, scratch=True)
-    forward = CapturedForward(fast, static, most_graphs=3, recorder=Rerun())
+    forward = CapturedForward(fast, static, most_graphs=3, recorder=Recomputed())
     for row in range(rows):  # every row under 256 slots throughout: shapes differ by tokens and tree width only
         n = rng.randint(20, 100)
         ids = torch.tensor([[rng.randrange(stories.vocab_size) for _ in range(n)]])

@@ -156,8 +156,8 @@ class Engine:
                     f"of {sched.max_len} tokens")
         layers, _, _, heads, slots, dim = sched.pool.kv.shape
         scratch = " and a scratch row for the captured forward's padding" if sched.pool.scratch_row is not None else ""
-        line = (f"KV pool: {sched.pool.rows} rows{scratch} x {slots} slots ({sched.max_len} tokens + {sched.tree_slots} for a tree) x "
-                f"{layers} layers x "
+        line = (f"KV pool: {sched.pool.rows} rows{scratch} x {slots} slots ({sched.max_len} tokens + {sched.tree_slots} "
+                f"for a tree) x {layers} layers x "
                 f"{heads} kv heads x {dim} dims, {sched.pool.kv.dtype}: {sched.pool_bytes / 2**20:,.1f} MiB")
         pooled = [name for name, pool in sched.draft_pools.items() if pool is not None]  # (Medusa, lookup: none)
         if pooled:

@@ -27,17 +27,23 @@ from specgraft.specs import (
 )
 
 
+def load_device_target(args: argparse.Namespace):
+    """``args.target`` as the device flags say (`flags.add_device_arguments`: --dtype, --device, --threads,
+    --capture)."""
+    import specgraft as sg
+
+    return sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads, capture=args.capture)
+
+
 def _load(args: argparse.Namespace):
     """Target, drafter and tree from the common flags; the paths they name are checked before torch loads."""
     tree_spec, drafter = parse_tree(args.tree), check_drafter(args.drafter)
     check_model(args.target, "--target")
-    import specgraft as sg
     from specgraft.heads import drafter_from_spec
     from specgraft.tree import policy_from_spec
 
     tree = policy_from_spec(tree_spec)  # a tree file is read here
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
-                                capture=args.capture)
+    target = load_device_target(args)
     return target, drafter_from_spec(drafter, target), tree
 
 
@@ -251,8 +257,7 @@ def cmd_search_layer_skip(args: argparse.Namespace) -> int:
     import specgraft as sg
     from specgraft.tools.prompts import encode_prompt, read_prompt_file
 
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
-                                capture=args.capture)
+    target = load_device_target(args)
     prompts = [encode_prompt(target, p.text) for p in read_prompt_file(args.prompts, limit=args.limit)]
     result = sg.search_layer_skip(
         target, prompts, max_new_tokens=args.max_new_tokens, max_skip=args.max_skip, min_agreement=args.min_agreement,
@@ -354,8 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specgraft.tree import policy_from_spec
 
     tree = policy_from_spec(tree_spec)  # a tree file is read here
-    target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
-                                capture=args.capture)
+    target = load_device_target(args)
     drafters = {name: drafter_from_spec(spec, target) for name, spec in named.items()}
     recorder = _traffic_recorder(args.record, target, drafters) if args.record else None
     learning = {args.learn: learn_dir} if args.learn else {}

@@ -21,15 +21,16 @@ attended (bucket), H hidden, Hq / Hkv heads, D head_dim, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from specgraft.model.caches import BatchedKVCache
-from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, rms_norm
+from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, visibility
 from specgraft.model.staging import staged
 
 SLOT_BUCKET = 256  # W grows by this many slots: a graph serves every step whose rows hold at most W slots
@@ -80,6 +81,30 @@ class CudaGraphs:
         return graph.replay, outputs
 
 
+class Recomputed:
+    """What CUDA graphs do, done by computing again, where there are none (tests, counts on a CPU): a replay runs the
+    captured forward from the graph's own buffers and writes its results into the capture's outputs. ``around`` is
+    a context each replay runs in (one that hides it from a counter, say)."""
+
+    def __init__(self, around: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        self.around = around
+
+    def warm_up(self, run: Callable[[], Outputs]) -> Outputs:
+        return run()
+
+    def capture(self, run: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+        outputs = run()  # a graph only records here; running writes the slots the warm-up wrote, with the same values
+
+        def replay() -> None:
+            with self.around():
+                logits, hidden = run()
+                outputs[0].copy_(logits)
+                for layer, state in hidden.items():
+                    outputs[1][layer].copy_(state)
+
+        return replay, outputs
+
+
 @dataclass
 class _Graph:
     """One captured shape: its input buffers, the replay, and its outputs (rewritten by every replay)."""
@@ -105,7 +130,7 @@ class CapturedForward:
     """
 
     def __init__(
-        self, fast: FastLlama, pool: BatchedKVCache, most_graphs: int = MOST_GRAPHS, recorder: CudaGraphs | None = None,
+        self, fast: FastLlama, pool: BatchedKVCache, most_graphs: int = MOST_GRAPHS, recorder: CudaGraphs | Recomputed | None = None,
     ) -> None:
         if pool.scratch_row is None:
             raise ValueError("a captured forward needs a pool with a scratch row (BatchedKVCache(scratch=True)): "
@@ -155,8 +180,7 @@ class CapturedForward:
         block = torch.zeros(rows_total, t, t, dtype=torch.bool, device=self.device)
         for seg, row in zip(segments, rows):
             if seg.size > 1:
-                block[row, : seg.size, : seg.size] = seg.visible if seg.visible is not None else torch.ones(
-                    seg.size, seg.size, dtype=torch.bool, device=self.device).tril()
+                block[row, : seg.size, : seg.size] = visibility(seg, self.device)
         logits, hidden = self._forward(shape, index, block)
         return logits[:n], {i: h[:n] for i, h in hidden.items()}
 
@@ -194,8 +218,6 @@ class CapturedForward:
         r = kv.shape[2]
         ids, positions, token_rows, token_slots, cells = index[: 5 * np_].view(5, np_)
         seen, tree_starts = index[5 * np_ :].view(2, r)
-        wanted = fast.taps(shape.layers)
-        states: dict[int, torch.Tensor] = {}
         x = F.embedding(ids, fast.embed)[None]  # (1, Np, H)
         cos, sin = self.cos[positions][None, :, None], self.sin[positions][None, :, None]  # (1, Np, 1, D)
         # What each row's query t' sees of slots [0, W): its cached slots, and its tree's block from its start on.
@@ -203,23 +225,30 @@ class CapturedForward:
         relative = columns - tree_starts[:, None]  # (R, W)
         in_tree = block.gather(2, relative.clamp(0, t - 1)[:, None].expand(r, t, w))  # (R, T, W)
         visible = (columns < seen[:, None])[:, None] | (in_tree & ((relative >= 0) & (relative < t))[:, None])
-        mask = additive(visible[:, None], kv.dtype)  # (R, 1, T, W)
-        heads, dim = fast.num_heads, fast.head_dim
-        for i, layer in enumerate(fast.layers):
-            if i in wanted:
-                states[i] = x[0]
-            h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, fast.eps)
-            q, k, v = fast._project(layer, h, cos, sin)  # (1, Hq, Np, D), (1, Hkv, Np, D) x 2
-            self.pool.write_packed(i, token_rows, token_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-            grid = q.new_zeros(r * t, heads, dim)
-            grid[cells] = q[0].transpose(0, 1)  # (R * T, Hq, D); padding tokens all land in the scratch row's cell
-            out = fast._attend(grid.view(r, t, heads, dim).transpose(1, 2), kv[i, 0, :, :, :w], kv[i, 1, :, :, :w],
-                               mask)  # (R, Hq, T, D)
-            out = out.transpose(1, 2).reshape(r * t, heads, dim)[cells]  # (Np, Hq, D)
-            x = x + fast.linear(out.reshape(1, np_, heads * dim), layer.o, layer.o_bias)
-            x = x + fast.mlp(layer, rms_norm(x, layer.post_norm, fast.eps))
-        x = rms_norm(x, fast.final_norm, fast.eps)  # (1, Np, H)
-        if fast.num_layers in wanted:
-            states[fast.num_layers] = x[0]
-        logits = fast.linear(x, fast.lm_head, fast.lm_head_bias)[0]  # (Np, V)
-        return logits, {i: states[i % (fast.num_layers + 1)] for i in shape.layers}
+        grid = _GridAttention(self.pool, token_rows, token_slots, cells, additive(visible[:, None], kv.dtype), t, w)
+        return fast.packed_layers(x, cos, sin, grid, shape.layers)
+
+
+@dataclass(frozen=True)
+class _GridAttention:
+    """Attention of a static forward: each token's keys/values written at its row and slot (padding: the scratch
+    row), every pool row's queries in one (R, T) grid over slots [0, W), one SDPA call a layer."""
+
+    pool: BatchedKVCache
+    rows: torch.Tensor  # (Np,) each token's pool row
+    slots: torch.Tensor  # (Np,) and slot
+    cells: torch.Tensor  # (Np,) its cell in the (R * T) query grid
+    mask: torch.Tensor  # (R, 1, T, W) additive
+    width: int  # T
+    seen: int  # W
+
+    def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write layer ``layer``'s (1, Hkv, Np, D) keys/values and attend with (1, Hq, Np, D) queries -> (1, Np, Hq * D)."""
+        self.pool.write_packed(layer, self.rows, self.slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        kv = self.pool.kv
+        r, t, (heads, n, dim) = kv.shape[2], self.width, q.shape[1:]
+        grid = q.new_zeros(r * t, heads, dim)
+        grid[self.cells] = q[0].transpose(0, 1)  # (R * T, Hq, D); padding tokens all land in the scratch row's cell
+        out = model._attend(grid.view(r, t, heads, dim).transpose(1, 2), kv[layer, 0, :, :, : self.seen],
+                            kv[layer, 1, :, :, : self.seen], self.mask)  # (R, Hq, T, D)
+        return out.transpose(1, 2).reshape(r * t, heads, dim)[self.cells].reshape(1, n, heads * dim)

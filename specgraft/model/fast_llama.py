@@ -218,7 +218,7 @@ class PackedAttention:
         if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
             block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
             for m, i in enumerate(trees):
-                block[m, : sizes[i], : sizes[i]] = _tree(segments[i], device)
+                block[m, : sizes[i], : sizes[i]] = visibility(segments[i], device)
             at = tree_starts[:, None, None] + torch.arange(widest, device=device)
             visible[tree_rows] = visible[tree_rows].scatter(2, at.expand(-1, widest, -1), block)
         masks = additive(visible[:, None], dtype)  # (sum G, 1, T, room)
@@ -280,7 +280,7 @@ def folded_attention(
     return out.view(b, heads, t, dim)
 
 
-def _tree(segment: Segment, device: torch.device) -> torch.Tensor:
+def visibility(segment: Segment, device: torch.device) -> torch.Tensor:
     """(T, T) bool: which of a row's new tokens each sees (causal when the segment names no tree)."""
     if segment.visible is not None:
         return segment.visible
@@ -655,17 +655,31 @@ class FastLlama:
             hidden_layers: as in `forward`.
             logits_at: (M,) the tokens whose logits are wanted (a prefill wants each prompt's last): logits (M, V).
         """
-        wanted = self.taps(hidden_layers)
+        self.taps(hidden_layers)  # checked before the pool's rows grow
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
-        states: dict[int, torch.Tensor] = {}
         cos, sin = self._rope(x, position_ids[None], pool.max_len)  # (1, N, 1, D)
         packed = PackedAttention(pool, segments, x.device, self.num_heads * self.head_dim)
+        return self.packed_layers(x, cos, sin, packed, hidden_layers, logits_at)
+
+    def packed_layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention, hidden_layers: tuple[int, ...] = (),
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers, final norm and lm_head over (1, N, H) packed inputs: logits (N, or M at ``logits_at``,
+        V) and the ``hidden_layers``' states (N, H).
+
+        ``attention`` writes each layer's keys/values and attends, ``attend(model, layer, q, k, v)`` -> (1, N, Hq * D):
+        a `PackedAttention`, or a captured forward's static grid (`specgraft.model.captured`). ``cos``, ``sin``:
+        (1, N, 1, D).
+        """
+        wanted = self.taps(hidden_layers)
+        states: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in wanted:
                 states[i] = x[0]
             h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, self.eps)
             q, k, v = self._project(layer, h, cos, sin)  # (1, Hq, N, D), (1, Hkv, N, D) x 2
-            out = packed.attend(self, i, q, k, v)  # (1, N, Hq * D)
+            out = attention.attend(self, i, q, k, v)  # (1, N, Hq * D)
             x = x + self.linear(out, layer.o, layer.o_bias)
             x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.eps))
         x = rms_norm(x, self.final_norm, self.eps)  # (1, N, H)

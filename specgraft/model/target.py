@@ -277,16 +277,13 @@ class Target:
         """
         if self.fast is None:
             raise TypeError(f"target {self.name!r} runs Hugging Face's forward: it verifies rows one by one")
-        if logits_at is not None:
+        if self.capture and logits_at is None:
+            if self.captured is None or self.captured.pool is not cache:
+                self.captured = CapturedForward(self.fast, cache)
+            logits, hidden = self.captured(input_ids, segments, position_ids, tuple(hidden_layers))
+        else:
             logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers),
                                                       logits_at)
-        elif self.capture:
-            captured = self.captured
-            if captured is None or captured.pool is not cache:
-                captured = self.captured = CapturedForward(self.fast, cache)
-            logits, hidden = captured(input_ids, segments, position_ids, tuple(hidden_layers))
-        else:
-            logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers))
         return ModelOutput(logits=logits.float(), hidden=hidden)
 
 
@@ -452,7 +449,6 @@ def load_target(
         if value not in ("0", "1"):
             raise ValueError(f"{CAPTURE_ENV}={value!r} must be 0 or 1")
         capture = value == "1"
-
     if small_rows is not None and small_rows not in SMALL_ROW_MODES:
         raise ValueError(f"small_rows={small_rows!r} must be one of {', '.join(SMALL_ROW_MODES)}")
     target = load_model(

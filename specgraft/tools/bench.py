@@ -669,7 +669,7 @@ def bench_main(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()  # HF's per-call generation warnings would drown the progress bar
     batch_sizes = parse_batch_sizes(args.batch_size) if args.batch_size else None
     target = sg.load_target(args.target, dtype=args.dtype, device=args.device, threads=args.threads,
-                                capture=args.capture)
+                            capture=args.capture)
     choice = target.threads
     print(f"threads: {torch.get_num_threads()} ({choice.why})", file=sys.stderr)
     print(f"small-row products: {target.small_rows.describe()}", file=sys.stderr)
