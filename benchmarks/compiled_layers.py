@@ -68,11 +68,11 @@ class Compiled:
         return x + opaque_linear(F.silu(opaque_linear(h, gate, inner)) * opaque_linear(h, up, inner), down, x.shape[-1])
 
     @torch.inference_mode()
-    def forward_packed(self, input_ids, pool, segments, position_ids) -> torch.Tensor:
+    def forward_packed(self, input_ids, pool, segments) -> torch.Tensor:
         fast, packs = self.fast, self.packs
         x = F.embedding(input_ids, fast.embed)[None]  # (1, N, H)
-        cos, sin = fast._rope(x, position_ids[None], pool.max_len)
         attention = PackedAttention(pool, segments, x.device, fast.num_heads * fast.head_dim)
+        cos, sin = fast._rope(x, attention.positions[None], pool.max_len)
         for i, layer in enumerate(fast.layers):
             q, k, v = self.before(x, layer.input_norm, packs[id(layer.q)], packs[id(layer.k)], packs[id(layer.v)], cos, sin)
             attended = attention.attend(fast, i, q, k, v)
@@ -94,7 +94,7 @@ def main() -> None:
     if not fast.packed:
         raise SystemExit("no packed weights here (oneDNN unavailable): nothing to compare")
     compiled = Compiled(fast, dynamic=not args.static)
-    eager = lambda ids, pool, segments, positions: fast.forward_packed(ids, pool, segments, positions)[0]  # noqa: E731
+    eager = lambda ids, pool, segments: fast.forward_packed(ids, pool, segments)[0]  # noqa: E731
     prompts = [torch.tensor(encode_prompt(target, p.text)) for p in read_prompt_file(args.prompts)]
     print("| batch | eager, ms a step | compiled, ms a step | compiled / eager | first compiled call, s | max |logit diff| |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -110,7 +110,7 @@ def main() -> None:
 
         def step(forward) -> tuple[torch.Tensor, float]:
             start = time.perf_counter()
-            logits = forward(tokens, pool, [Segment(r, 1) for r in rows], torch.tensor(lengths))
+            logits = forward(tokens, pool, [Segment(r, 1) for r in rows])
             seconds = time.perf_counter() - start
             for r, length in zip(rows, lengths):  # the same slots again: both forms decode from the same cache
                 pool.views[r].crop(length)

@@ -184,17 +184,15 @@ def whole_forward(target: sg.Target, sizes: list[int], lens: list[int], repeats:
         target.forward(ids, view, torch.arange(L)[None])
         views.append(view)
     trees = random_trees(sizes, gen)
-    depth = [m.sum(1) - 1 for m in trees]  # a node's depth: its ancestors, itself excluded
     tokens = torch.randint(3, target.vocab_size, (sum(sizes),), generator=gen)
     segments = [Segment(r, t, None if t == 1 else m) for r, (t, m) in enumerate(zip(sizes, trees))]
-    positions = torch.cat([L + d for L, d in zip(lens, depth)])
 
     def reset():
         for view, L in zip(views, lens):
             view.crop(L)
 
     def packed():
-        target.forward_packed(tokens, pool, segments, positions)
+        target.forward_packed(tokens, pool, segments)
         reset()
 
     def padded():

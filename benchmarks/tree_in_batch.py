@@ -38,9 +38,8 @@ def time_forward(target: sg.Target, pool, rows: list, sizes: list[int]) -> float
     lengths = [len(cache) for _, cache in rows]
     segments = [Segment(row, n, None) for (row, _), n in zip(rows, sizes)]  # no visibility given: causal chains
     tokens = torch.cat([torch.full((n,), 5) for n in sizes])
-    positions = torch.cat([length + torch.arange(n) for length, n in zip(lengths, sizes)])
     start = time.perf_counter()
-    target.forward_packed(tokens, pool, segments, positions, ())
+    target.forward_packed(tokens, pool, segments, ())
     elapsed = time.perf_counter() - start
     for (_, cache), length in zip(rows, lengths):
         cache.crop(length)

@@ -48,6 +48,7 @@ from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth, root_t
 from specgraft.heads.configs import DFlashConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target, rms_norm
+from specgraft.model.staging import staged
 from specgraft.tree import Sampling, Tree, TreePolicy
 
 # Commits a state keeps as views of their steps' hidden states before joining them: a row that does not draft for
@@ -359,13 +360,11 @@ class DFlashDrafter:
         head = self.head
         depth = min(head.block_size - 1, max(min(r.max_depth, r.policy.max_depth) for r in requests))
         states = [r.state for r in requests]
-        self._catch_up(states)
-        lengths = [len(s.cache) for s in states]  # context positions: the root sits at position `length`
+        lengths, lengths_at = self._catch_up(states)  # context positions: the root sits at position `length`
         k_size, device = head.block_size, self.device
         blocks = torch.full((len(states), k_size), head.config.mask_token_id, dtype=torch.long, device=device)
         blocks[:, 0] = root_tokens(requests, device)
         x = head.embed(blocks)[:, None]  # (B, 1, K, H): one block a row
-        lengths_at = torch.tensor(lengths, device=device)  # (B,) one copy for the positions and the padding
         positions = lengths_at[:, None] + torch.arange(k_size, device=device)
         cos, sin = head.rope(x[:, 0], positions)
         width = max(lengths)
@@ -398,18 +397,24 @@ class DFlashDrafter:
         check_new_version(self.head, other.head)
         self.head = other.head
 
-    def _catch_up(self, states: list[DFlashDraftState]) -> None:
-        """Project the committed states no cache holds yet into every layer's context keys and values."""
-        waiting = [(s, s.take_pending()) for s in states]
-        waiting = [(s, h) for s, h in waiting if h is not None]
-        if not waiting:
-            return
-        head = self.head
-        joined = {i: torch.cat([h[i] for _, h in waiting]).to(self.device) for i in self.hidden_layers}
-        context = head.fuse(joined)[None]  # (1, N, H): every row's new positions, concatenated
-        sizes = [h[self.hidden_layers[0]].shape[0] for _, h in waiting]
+    def _catch_up(self, states: list[DFlashDraftState]) -> tuple[list[int], torch.Tensor]:
+        """Project the committed states no cache holds yet into every layer's context keys and values; the rows'
+        context lengths after it, as a list and as a (B,) tensor staged in the same copy as the catch-up's
+        positions."""
+        waiting = [(s, s.pending) for s in states if s.pending]
+        for s, _ in waiting:
+            s.pending = []
+        sizes = [sum(h[self.hidden_layers[0]].shape[0] for h in parts) for _, parts in waiting]
         starts = [s.cache.extend(1, n) for (s, _), n in zip(waiting, sizes)]  # context position j sits in slot j
-        positions = torch.cat([torch.arange(start, start + n) for start, n in zip(starts, sizes)]).to(self.device)
+        lengths = [len(s.cache) for s in states]
+        positions, lengths_at = staged(self.device, [j for start, n in zip(starts, sizes) for j in range(start, start + n)],
+                                       lengths)
+        if not waiting:
+            return lengths, lengths_at
+        head = self.head
+        # Every row's waiting commits joined in one copy a layer (not a join a row, then one of the rows).
+        joined = {i: torch.cat([h[i] for _, parts in waiting for h in parts]).to(self.device) for i in self.hidden_layers}
+        context = head.fuse(joined)[None]  # (1, N, H): every row's new positions, concatenated
         cos, sin = head.rope(context, positions[None])
         for layer in range(len(head.layers)):
             keys, values = head.context_kv(layer, context, cos, sin)  # (1, Hkv, N, D)
@@ -417,6 +422,7 @@ class DFlashDrafter:
             for (state, _), n, start in zip(waiting, sizes, starts):
                 state.cache.update(layer, start, keys[:, :, offset : offset + n], values[:, :, offset : offset + n])
                 offset += n
+        return lengths, lengths_at
 
     @staticmethod
     def _context(states, requests, rows: BatchedKVCache | None, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Hashable, Mapping, TypeVar
 
 import torch
 
@@ -64,7 +64,7 @@ from specgraft.infer.observer import (
 )
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
-    Acceptance, AcceptRule, accept, accept_chain, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
+    Acceptance, AcceptRule, accept, accept_chains, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import (
@@ -535,8 +535,7 @@ class Scheduler:
         self.counters.prefill_forwards += 1
         try:
             out = self.target.forward_packed(
-                torch.cat([r.prompt_ids for r in group]), self.pool, [Segment(r.row, n) for r, n in zip(group, sizes)],
-                torch.cat([torch.arange(n, device=device) for n in sizes]), layers,
+                torch.cat([r.prompt_ids for r in group]), self.pool, [Segment(r.row, n) for r, n in zip(group, sizes)], layers,
                 logits_at=torch.tensor(list(itertools.accumulate(sizes)), device=device) - 1,
             )
         except Exception:
@@ -783,17 +782,16 @@ class Scheduler:
                     if self.pool is not None:  # one row: the step's one forward
                         self._forward_tokens, self._forward_masked = tree.num_nodes, not tree.is_chain
             return verified
-        segments, tokens, positions = [], [], []
-        for request in live:
-            tree, prefix = trees[request.handle], prefixes[request.handle]
+        segments, tokens = [], []
+        for request in live:  # each token's position follows from its row's length and its tree (`Segment`)
+            tree = trees[request.handle]
             segments.append(Segment(request.row, tree.num_nodes, None if tree.is_chain else tree.ancestor_mask()))
             tokens.append(tree.tokens)
-            positions.append(prefix + tree.depth)
         layers = tuple(sorted({i for r in live for i in r.hidden_layers} | set(self.observers.layers)))
         self.counters.verify_forwards += 1
         start = self._clock.mark()
         packed = torch.cat(tokens)
-        out = self.target.forward_packed(packed, self.pool, segments, torch.cat(positions), layers)
+        out = self.target.forward_packed(packed, self.pool, segments, layers)
         self._packed = PackedForward(out.logits, packed, [r.handle for r in live])
         self._forward_spans.append((start, self._clock.mark()))
         self._forward_tokens = sum(s.size for s in segments)
@@ -810,8 +808,8 @@ class Scheduler:
     ) -> dict[int, Chosen]:
         """The accepted paths of every row that can be decided on the device together, read back in one copy: greedy
         rows without banned ids (`greedy_accept_packed`, every tree shape), sampled chains under the exact rule
-        (`accept_chain`), and sampled rows verifying their root alone (their next token drawn under their own
-        filters and RNG). Each row's next token stays on the device too, for its next root-only tree (see
+        (`accept_chains`, those of one length and filter setting together), and the other rows verifying their root
+        alone (their next tokens chosen together under each filter setting, each drawn with its row's RNG). Each row's next token stays on the device too, for its next root-only tree (see
         `Tree.root_only`). The other rows (sampled trees, banned ids, a lossy rule) accept in their own commits;
         so do all, if this fails."""
         greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
@@ -833,18 +831,20 @@ class Scheduler:
                         tree = trees[r.handle]
                         choice = verified[r.handle].logits.argmax(-1)
                         parts.append(_greedy_part(tree.tokens, [tree], choice, [r.handle]))
-            for r in chains:  # sampled chains, each under its own filters and RNG
-                tree = trees[r.handle]
-                result = accept_chain(tree, verified[r.handle].logits, r.sampling, tree.num_nodes)
-                parts.append(Part(result, [r.handle], tree.num_nodes))
-            picks = [_choose_one(r.sampling, verified[r.handle].logits[0]) for r in roots]
-            flat = [part.result.flatten() for part in parts] + picks
+            for group in _grouped(chains, lambda r: (r.sampling, trees[r.handle].num_nodes, trees[r.handle].q is None)):
+                result = accept_chains([trees[r.handle] for r in group], [verified[r.handle].logits for r in group],
+                                       [r.sampling for r in group])  # (G, 2 + 2 N)
+                parts.append(Part(result, [r.handle for r in group], trees[group[0].handle].num_nodes))
+            for group in _grouped(roots, lambda r: r.sampling):
+                logits = torch.stack([verified[r.handle].logits[0] for r in group])  # (G, V)
+                parts.append(Part(_choose_roots([r.sampling for r in group], logits), [r.handle for r in group], 0))
+            flat = [part.result.flatten() for part in parts]
             flat = flat[0] if len(flat) == 1 else torch.cat(flat)
             values = flat.tolist()  # the step's one read of the rows' choices
         except Exception:  # whose fault is unknown: each row accepts in its own commit
             return {}
         chosen, at = {}, 0
-        wanted.update(r.handle for r in chains)
+        wanted.update(r.handle for r in [*chains, *roots])
         for part in parts:
             result, handles, width = part.result, part.handles, part.width
             size = 2 + 2 * width if width else 1
@@ -860,9 +860,6 @@ class Scheduler:
                 chosen[handle] = Chosen(Acceptance(table[k, 2 : 2 + count], next_token), row[2 : 2 + count],
                                         row[3 + width : 2 + width + count] + [next_token], table[k, 1:2])
             at += result.numel()
-        for request, pick in zip(roots, picks):
-            chosen[request.handle] = Chosen(Acceptance(root_path(pick.device), values[at]), [0], [values[at]], pick)
-            at += 1
         return chosen
 
     def _commit(
@@ -1034,11 +1031,21 @@ def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, 
     return Part(greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width)
 
 
-def _choose_one(sampling: Sampling, logits: torch.Tensor) -> torch.Tensor:
-    """(1,) a row's next token after its root's (V,) logits, under its own filters and RNG, left on the device."""
+def _choose_roots(samplings: list[Sampling], logits: torch.Tensor) -> torch.Tensor:
+    """(G,) the next tokens of rows that share a filter setting, after their roots' (G, V) logits, left on the
+    device: the filters applied to all at once (they work row by row), each row's draw made with its own RNG."""
+    sampling = samplings[0]
     if sampling.greedy:
-        return sampling.ban(logits).argmax(-1, keepdim=True)
-    return sampling.draw(sampling.probs(logits))
+        return sampling.ban(logits).argmax(-1)
+    return torch.cat([s.draw(row[None])[0] for s, row in zip(samplings, sampling.probs(logits))])
+
+
+def _grouped(rows: list[Request], key: Callable[[Request], Hashable]) -> list[list[Request]]:
+    """``rows`` in groups of equal ``key``, each in the rows' order (Samplings compare by filters, not RNGs)."""
+    groups: dict[Hashable, list[Request]] = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    return list(groups.values())
 
 
 def _copied(states: dict[int, torch.Tensor], path: torch.Tensor | slice | None = None) -> dict[int, torch.Tensor]:

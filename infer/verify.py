@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -155,9 +155,13 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, rule: AcceptRul
     return rule(tree, target_probs(logits, sampling), sampling)
 
 
-def accept_chain(tree: Tree, logits: torch.Tensor, sampling: Sampling, width: int) -> torch.Tensor:
-    """`sample_accept_chain` on the target's filtered p at a sampled chain's nodes (the exact rule, on the device)."""
-    return sample_accept_chain(tree, target_probs(logits, sampling), sampling, width)
+def accept_chains(trees: Sequence[Tree], logits: Sequence[torch.Tensor], samplings: Sequence[Sampling]) -> torch.Tensor:
+    """`sample_accept_chains` on the target's filtered p at the nodes of sampled chains of one length, one filter
+    setting and one kind of draft (all sampled, or all top-k): (G, 2 + 2 * N), as that returns."""
+    p = target_probs(torch.stack(list(logits)), samplings[0])  # (G, N, V): the filters work row by row
+    q = None if trees[0].q is None else torch.stack([tree.q for tree in trees])
+    tokens = torch.stack([tree.tokens for tree in trees])
+    return sample_accept_chains(tokens, q, p, samplings, tokens.shape[1])
 
 
 def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance:
@@ -201,39 +205,50 @@ def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance
 
 
 def sample_accept_chain(tree: Tree, p: torch.Tensor, sampling: Sampling, width: int) -> torch.Tensor:
-    """`sample_accept` on a chain, on the device: every draw made at once, nothing read back.
+    """`sample_accept` on one chain, on the device (`sample_accept_chains` of one row): (2 + 2 * width,)."""
+    q = None if tree.q is None else tree.q[None]
+    return sample_accept_chains(tree.tokens[None], q, p[None], [sampling], width)[0]
+
+
+def sample_accept_chains(
+    tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, samplings: Sequence[Sampling], width: int
+) -> torch.Tensor:
+    """`sample_accept` on G chains of N nodes, on the device: every draw made at once, nothing read back.
 
     The sequential rule stops at the first rejection; here every level's test and every level's fallback draw are
     made up front and the first rejection picks among them, so each committed token follows the same law (the
     draws past the first rejection are independent of it and are dropped). Top-k chains (point masses): one draw
     from each node's p, the path kept while the draws match. Sampled chains: x_i is kept with probability
     min(1, p_{i-1}(x_i) / q_i(x_i)); the first rejected level's token comes from norm(max(p - q, 0)) there (p
-    itself where that residual is empty); a chain kept whole earns a token from its last p.
+    itself where that residual is empty); a chain kept whole earns a token from its last p. The chains share every
+    kernel but their draws: each chain's come from its own RNG, in the order it draws alone (uniforms, then tokens).
 
     Args:
-        tree: a chain of N nodes (``tree.q`` (N, V) where its tokens were sampled). p: (N, V) target
-            distributions after the generation's filters. sampling: the generation's; its RNG draws.
+        tokens: (G, N) the chains' tokens, root first. q: (G, N, V) the distributions their tokens were sampled from
+            (the root's row unused), or None for top-k chains. p: (G, N, V) target distributions after each chain's
+            filters. samplings: each chain's; its RNG draws.
         width: at least N: the result's padding, as `greedy_accept_packed`'s rows.
 
     Returns:
-        (2 + 2 * width,) int64: the path's length K, the next token, the path's K nodes (0..K-1) and tokens, padded.
+        (G, 2 + 2 * width) int64, a chain a row: the path's length K, the next token, the path's K nodes (0..K-1)
+        and tokens, padded.
     """
-    n = tree.num_nodes
-    tokens = tree.tokens
-    if tree.q is None:
-        draws = sampling.draw(p)[:, 0]  # (N,) one draw from each node's p
-        kept = (draws[:-1] == tokens[1:]).long().cumprod(0).sum()
+    g, n = tokens.shape
+    if q is None:
+        draws = torch.stack([s.draw(row)[:, 0] for s, row in zip(samplings, p)])  # (G, N) one draw from each node's p
+        kept = (draws[:, :-1] == tokens[:, 1:]).long().cumprod(1).sum(1)  # (G,)
     else:
-        q, drafted = tree.q[1:], tokens[1:]  # (N - 1, V), (N - 1,)
-        ratio = (p[:-1].gather(1, drafted[:, None]) / q.gather(1, drafted[:, None]))[:, 0].clamp(max=1.0)
-        u = torch.rand(n - 1, generator=sampling.generator, device=p.device)
-        kept = (u < ratio).long().cumprod(0).sum()
-        residual = (p[:-1] - q).clamp(min=0.0)
+        q, drafted = q[:, 1:], tokens[:, 1:, None]  # (G, N - 1, V), (G, N - 1, 1)
+        ratio = (p[:, :-1].gather(2, drafted) / q.gather(2, drafted))[..., 0].clamp(max=1.0)  # (G, N - 1)
+        u = torch.stack([torch.rand(n - 1, generator=s.generator, device=p.device) for s in samplings])
+        kept = (u < ratio).long().cumprod(1).sum(1)
+        residual = (p[:, :-1] - q).clamp(min=0.0)
         mass = residual.sum(-1, keepdim=True)
-        fallback = torch.where(mass > EMPTY_RESIDUAL, residual / mass.clamp(min=EMPTY_RESIDUAL), p[:-1])
-        draws = sampling.draw(torch.cat([fallback, p[-1:]]))[:, 0]  # (N,) level i's correction, then the bonus
-    path = torch.minimum(torch.arange(width, device=p.device), kept)  # 0..K-1, then K-1 repeated (K = kept + 1)
-    return torch.cat([(kept + 1)[None], draws[kept[None]], path, tokens[path]])
+        fallback = torch.where(mass > EMPTY_RESIDUAL, residual / mass.clamp(min=EMPTY_RESIDUAL), p[:, :-1])
+        laws = torch.cat([fallback, p[:, -1:]], 1)  # (G, N, V): level i's correction, then the bonus
+        draws = torch.stack([s.draw(row)[:, 0] for s, row in zip(samplings, laws)])  # (G, N)
+    path = torch.minimum(torch.arange(width, device=p.device), kept[:, None])  # 0..K-1, then K-1 repeated (K = kept + 1)
+    return torch.cat([(kept + 1)[:, None], draws.gather(1, kept[:, None]), path, tokens.gather(1, path)], 1)
 
 
 def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, sampling: Sampling) -> tuple[int | None, int | None]:

@@ -23,11 +23,11 @@ def captured(stories):
     return sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
 
 
-def random_step(rng: random.Random, pools, rows: int, vocab: int, plain: bool = False):
-    """Segments over a random subset of ``rows`` (out of order): one-token rows, chains and trees; tokens, positions.
+def random_step(rng: random.Random, rows: int, vocab: int, plain: bool = False):
+    """Segments over a random subset of ``rows`` (out of order): one-token rows, chains and trees; their tokens.
     ``plain``: every row, one token each (plain decoding)."""
     held = list(range(rows)) if plain else rng.sample(range(rows), rng.randint(1, rows))
-    segments, tokens, positions = [], [], []
+    segments, tokens = [], []
     for row in held:
         size = 1 if plain else rng.choice([1, 1, 2, 4, 5, 8, 9])  # a tree as wide as its bucket, and narrower ones
         visible = None
@@ -38,10 +38,7 @@ def random_step(rng: random.Random, pools, rows: int, vocab: int, plain: bool = 
                 visible[node, rng.randrange(1, node)] = True
         segments.append(Segment(row, size, visible))
         tokens.append(torch.tensor([rng.randrange(vocab) for _ in range(size)]))
-        length = len(pools[0].views[row])
-        depth = torch.arange(size) if visible is None else visible.sum(1) - 1
-        positions.append(length + depth)
-    return segments, torch.cat(tokens), torch.cat(positions)
+    return segments, torch.cat(tokens)
 
 
 def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(stories):
@@ -56,9 +53,9 @@ def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(st
             fast.forward(ids, pool.acquire(row)[1], torch.arange(n)[None])
     shapes = set()
     for _ in range(8):
-        segments, tokens, positions = random_step(rng, (packed, static), rows, stories.vocab_size)
-        want, want_states = fast.forward_packed(tokens, packed, segments, positions, (0, 3, -1))
-        got, states = forward(tokens, segments, positions, (0, 3, -1))
+        segments, tokens = random_step(rng, rows, stories.vocab_size)
+        want, want_states = fast.forward_packed(tokens, packed, segments, (0, 3, -1))
+        got, states = forward(tokens, segments, (0, 3, -1))
         assert got.shape == want.shape and set(states) == {0, 3, -1}
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -87,9 +84,9 @@ def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(storie
             fast.forward(ids, pool.acquire(row)[1], torch.arange(n)[None])
     returned = []
     for step in range(14):
-        segments, tokens, positions = random_step(rng, (packed, static), rows, stories.vocab_size, plain=step % 2 == 0)
-        want, want_states = fast.forward_packed(tokens, packed, segments, positions, (2,))
-        got, states = forward(tokens, segments, positions, (2,))
+        segments, tokens = random_step(rng, rows, stories.vocab_size, plain=step % 2 == 0)
+        want, want_states = fast.forward_packed(tokens, packed, segments, (2,))
+        got, states = forward(tokens, segments, (2,))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(states[2], want_states[2], rtol=1e-4, atol=1e-4)
         returned.append((got, got.clone(), states[2], states[2].clone()))
@@ -109,7 +106,7 @@ def test_padding_writes_only_the_scratch_row_and_each_token_its_own_slot(stories
         fast.forward(torch.arange(1, n + 1)[None], pool.acquire(row)[1], torch.arange(n)[None])
     before = pool.kv.clone()
     segments = [Segment(2, 3), Segment(0, 1), Segment(1, 1)]  # 5 tokens, padded to 8: 3 padding tokens
-    forward(torch.tensor([7, 8, 9, 10, 11]), segments, torch.tensor([17, 18, 19, 5, 40]))
+    forward(torch.tensor([7, 8, 9, 10, 11]), segments)
     changed = (pool.kv != before).any(dim=(0, 1, 3, 5))  # (rows + scratch, slots)
     written = torch.zeros_like(changed)
     written[2, 17:20] = written[0, 5] = written[1, 40] = True

@@ -550,7 +550,7 @@ def test_packed_rows_match_hf_run_one_by_one(pair, layout, calls, monkeypatch):
     its rows are cut into attention calls."""
     if CALLS[calls] is not None:
         monkeypatch.setitem(fast_llama.CALL_MACS, "cpu", CALLS[calls])
-    segments, tokens, positions, references = [], [], [], []
+    segments, tokens, references = [], [], []
     pool = pair.fast.new_batched_cache(7, 64)
     for seed, (row, length, parents) in enumerate(LAYOUTS[layout]):
         parents = parents or [-1]
@@ -561,13 +561,12 @@ def test_packed_rows_match_hf_run_one_by_one(pair, layout, calls, monkeypatch):
         visible = None if is_chain else tree_mask(0, parents, torch.float32)[0, 0] == 0
         segments.append(sg.model.Segment(row, len(parents), visible))
         tokens.append(tree)
-        positions.append(length + tree_depths(parents))
         hf_cache = pair.hf.new_cache()
         pair.hf.forward(prompt, hf_cache, torch.arange(length)[None])
         ref = pair.hf.forward(tree[None], hf_cache, (length + tree_depths(parents))[None],
                               tree_mask(length, parents, torch.float32), pair.layers)
         references.append((ref, hf_cache, view))
-    out = pair.fast.forward_packed(torch.cat(tokens), pool, segments, torch.cat(positions), pair.layers)
+    out = pair.fast.forward_packed(torch.cat(tokens), pool, segments, pair.layers)  # positions: the rows' own
 
     def close(got: torch.Tensor, want: torch.Tensor) -> bool:
         # Rows share the products of a packed forward, so their sums run in another order: float32 rounding of
@@ -616,7 +615,7 @@ def test_packed_attention_cuts_rows_into_calls(pair, layout, calls, spans, moved
     packed = fast_llama.PackedAttention(pool, segments, torch.device("cpu"),
                                          pair.fast.fast.num_heads * pair.fast.fast.head_dim)
     assert len(packed.spans) == spans
-    assert any(span.grid is not None for span in packed.spans) == moved
+    assert any(span.fill is not None for span in packed.spans) == moved
 
 
 def test_a_draft_model_beside_a_packed_target_packs_its_own_weights_and_keeps_the_greedy_output():

@@ -156,15 +156,37 @@ def test_eagle_chains_sync_at_most_four_times_a_step(stories, trained_eagle, opt
     assert_syncs(stories, CHAIN_SYNCS, drafters, drafter="eagle", tree=sg.Chain(4), seed=3, **options)
 
 
-@pytest.mark.parametrize("tree", [None, "chain:4", "dynamic:4,5,16", "static"],
-                         ids=["plain", "eagle-chain", "eagle-dynamic", "eagle-static"])
-def test_kernels_do_not_grow_with_the_batch(stories, trained_eagle, tree):
-    """No loop over rows launches work: plain decoding, and EAGLE's draft rounds (the roots' catch-up placed by
-    staged indices, each level one forward) with their acceptance."""
+def depth_drafter(kind: str, target):
+    """A Medusa or DFlash drafter of random heads (the counts do not depend on what is accepted)."""
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import DFlashConfig, MedusaConfig
+
+    torch.manual_seed(0)
+    config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
+    return as_drafter(build_head(config, target).eval(), target)
+
+
+SAMPLED = {"temperature": 0.8, "top_k": 20}
+
+
+@pytest.mark.parametrize(("drafter", "tree", "options"), [
+    (None, None, {}), (None, None, SAMPLED), ("eagle", "chain:4", {}), ("eagle", "chain:4", SAMPLED),
+    ("eagle", "dynamic:4,5,16", {}), ("eagle", "static", {}), ("medusa", "chain:3", {}), ("dflash", "chain:3", {}),
+], ids=["plain", "plain-sampled", "eagle-chain", "eagle-chain-sampled", "eagle-dynamic", "eagle-static", "medusa",
+        "dflash"])
+def test_kernels_do_not_grow_with_the_batch(stories, trained_eagle, drafter, tree, options):
+    """No loop over rows launches work but each sampled row's draws with its own RNG: plain decoding, greedy or
+    sampled (each filter setting's probabilities for all rows at once); EAGLE's draft rounds (the roots' catch-up
+    placed by staged indices, each level one forward) with their acceptance (sampled chains of one length accepted
+    together); Medusa's and DFlash's drafts; and the verification forward's masks and positions for every row.
+    (Prompt lookup's tries, of unequal shapes, verify beside each other at batch 16 in a forward that gathers its
+    queries into a grid, against a lone row's plainer forward: on this 5-layer target about 1.55x batch 1.)"""
     import specgraft as sg
 
-    options = {} if tree is None else dict(drafter="eagle", tree=tree_policy(tree))
-    drafters = {} if tree is None else {"eagle": sg.load_drafter(trained_eagle, stories)}
+    made = {"eagle": lambda: sg.load_drafter(trained_eagle, stories),
+            "medusa": lambda: depth_drafter("medusa", stories), "dflash": lambda: depth_drafter("dflash", stories)}
+    drafters = {} if drafter is None else {drafter: made[drafter]()}
+    options = {**options, "seed": 3} if drafter is None else dict(drafter=drafter, tree=tree_policy(tree), seed=3, **options)
     one = count_steps(steady(stories, 1, drafters, **options).step, STEPS)
     sixteen = count_steps(steady(stories, 16, drafters, **options).step, STEPS)
     assert sixteen.kernels_per_step <= KERNEL_GROWTH * one.kernels_per_step, (
@@ -263,14 +285,7 @@ def test_prompt_lookup_syncs_at_most_four_times_a_step(stories):
 def test_depth_drafters_chains_and_static_trees_sync_at_most_four_times_a_step(stories, kind, tree):
     """Medusa's heads and DFlash's block draft every depth at once; their chains and static trees are picked on the
     device for all rows (random heads: the counts do not depend on what is accepted)."""
-    import specgraft as sg
-    from specgraft.heads import as_drafter, build_head
-    from specgraft.heads.configs import DFlashConfig, MedusaConfig
-
-    torch.manual_seed(0)
-    config = MedusaConfig(num_heads=3) if kind == "medusa" else DFlashConfig(block_size=4)
-    drafter = as_drafter(build_head(config, stories).eval(), stories)
-    assert_syncs(stories, CHAIN_SYNCS, {kind: drafter}, drafter=kind, tree=tree_policy(tree))
+    assert_syncs(stories, CHAIN_SYNCS, {kind: depth_drafter(kind, stories)}, drafter=kind, tree=tree_policy(tree))
 
 
 def test_counting_a_bench_methods_steps_sizes_its_rows_to_the_prompts(stories):

@@ -129,52 +129,53 @@ def grow_chains(
     """
     depths = [min(p.depth, m) for p, m in zip(policies, max_depths, strict=True)]
     sampled = [s is not None and not s.greedy and p.draw != "top-k" for p, s in zip(policies, samplings)]
-    tokens, logq, q = [], [], []  # per level: (R,) picks, (R,) their log-probs, each row's (V,) q where sampled
+    tokens, logq, q = [], [], []  # per level: (R,) picks, (R,) their log-probs, (R, V) each row's q where sampled
     for level in range(max(depths)):
         top_logp, top = (x[:, 0] for x in logp.topk(1, dim=-1))  # (R,): every top-k row's pick, as `pick_children`
         drawing = [r for r in range(len(depths)) if sampled[r] and level < depths[r]]
-        picks, logps, qs = (top, top_logp, {}) if not drawing else _draw_rows(logp, top, top_logp, drawing, policies, samplings)
+        picks, logps, level_q = (top, top_logp, None) if not drawing else _draw_rows(logp, top, top_logp, drawing, policies, samplings)
         tokens.append(picks)
         logq.append(logps)
-        q.append(qs)
+        q.append(level_q)
         if level + 1 < max(depths):
             logp = step(picks)
     chains = torch.stack([roots, *tokens], 1)  # (R, D + 1)
     scores = torch.cat([torch.zeros_like(logq[0])[:, None], torch.stack(logq, 1).float().cumsum(1)], 1)
-    trees = []
-    for r, depth in enumerate(depths):
-        row_q = None
-        if sampled[r]:
-            levels = [q[level][r] for level in range(depth)]
-            row_q = torch.cat([torch.zeros_like(levels[0])[None], torch.stack(levels)])  # (depth + 1, V), root's unused
-        trees.append(Tree.chain(chains[r, : depth + 1], scores[r, : depth + 1], row_q))
-    return trees
+    deepest = max((d for d, s in zip(depths, sampled) if s), default=0)  # every level below it drew for some row
+    if deepest:  # (R, deepest + 1, V): each row's q by level, the root's row unused (zeros)
+        q_rows = torch.stack(q[:deepest], 1)
+        q_rows = torch.cat([q_rows.new_zeros(q_rows.shape[0], 1, q_rows.shape[2]), q_rows], 1)
+    return [Tree.chain(chains[r, : depth + 1], scores[r, : depth + 1], q_rows[r, : depth + 1] if sampled[r] else None)
+            for r, depth in enumerate(depths)]
 
 
 def _draw_rows(
     logp: torch.Tensor, top: torch.Tensor, top_logp: torch.Tensor, drawing: Sequence[int], policies: Sequence[Chain],
     samplings: Sequence[Sampling | None],
-) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chain level's picks where some rows draw: (R,) tokens (the others' top-1), (R,) their draft log-probs,
-    and each drawing row's (V,) q.
+    and (R, V) each drawing row's q (another row's is a filtered q it does not use).
 
-    q comes from one `Sampling.probs` call for all the rows that share a filter setting (filters work row by row,
-    so each row's q is the one it gets alone); only the draw runs a row at a time, with the row's own RNG: the
-    one draw `pick_children` makes for it alone.
+    q comes from one `Sampling.probs` call over every row for each filter setting the drawing rows use (filters
+    work row by row, so each row's q is the one it gets alone); only the draw runs a row at a time, with the row's
+    own RNG: the one draw `pick_children` makes for it alone.
     """
-    picks, logps = list(top.split(1)), list(top_logp.split(1))
-    by_filters: dict[Sampling, list[int]] = {}
+    by_filters: dict[Sampling, torch.Tensor] = {}
     for r in drawing:
-        by_filters.setdefault(samplings[r], []).append(r)  # Samplings compare by their filters, not their RNGs
-    qs = {}
-    for sampling, rows in by_filters.items():
-        group_q = sampling.probs(logp if len(by_filters) == 1 else logp[rows])  # (R or G, V)
-        for i, r in enumerate(rows):
-            row_q = group_q[r if len(by_filters) == 1 else i]  # (V,)
-            picks[r] = samplings[r].draw(row_q[None], 1, replacement=policies[r].draw == "sample")[0]  # (1,)
-            logps[r] = row_q.gather(0, picks[r]).log()
-            qs[r] = row_q
-    return torch.cat(picks), torch.cat(logps), qs
+        by_filters.setdefault(samplings[r], None)  # Samplings compare by their filters, not their RNGs
+    for sampling in by_filters:
+        by_filters[sampling] = sampling.probs(logp)  # (R, V)
+    first = next(iter(by_filters.values()))
+    chosen = set(drawing)
+    q = first if len(by_filters) == 1 else torch.stack(
+        [by_filters[samplings[r]][r] if r in chosen else first[r] for r in range(logp.shape[0])])
+    picks = list(top.split(1))
+    for r in drawing:
+        picks[r] = samplings[r].draw(q[r : r + 1], 1, replacement=policies[r].draw == "sample")[0]  # (1,)
+    picks = torch.cat(picks)
+    drawn = q.gather(1, picks[:, None]).log()  # (R, 1): log q of each pick
+    logps = [drawn[r] if r in chosen else top_logp[r : r + 1] for r in range(logp.shape[0])]
+    return picks, torch.cat(logps), q
 
 
 class TreeBuilder:

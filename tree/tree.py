@@ -100,7 +100,7 @@ class Tree:
         int each (bit j of node i: j is i or one of its ancestors; all 0 past `ANCESTOR_BITS` nodes, derived then),
         its structure's lists kept: the structure is checked on the host, nothing is read back for it."""
         n = len(parent_list)
-        tree = _known(cls, tokens, parents, depth, torch.zeros(n, device=tokens.device), None,
+        tree = _known(cls, tokens, parents, depth, _zero_scores(n, tokens.device), None,
                       parent_list=parent_list, depth_list=depth_list, score_list=[0.0] * n)
         tree.__post_init__()  # checks the lists: parents first, one root
         if n <= ANCESTOR_BITS:
@@ -236,6 +236,12 @@ def _root_structure(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
         torch.zeros(1, device=device),
         torch.ones(1, 1, dtype=torch.bool, device=device),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_scores(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) zeros: the scores of a tree built on the host, made once per size and device (a tree never writes them)."""
+    return torch.zeros(n, device=device)
 
 
 def ancestor_bits(parents: list[int]) -> list[int]:

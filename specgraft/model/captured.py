@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specgraft.model.caches import BatchedKVCache
-from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, visibility
+from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, causal
 from specgraft.model.staging import staged
 
 SLOT_BUCKET = 256  # W grows by this many slots: a graph serves every step whose rows hold at most W slots
@@ -109,8 +109,8 @@ class Recomputed:
 class _Graph:
     """One captured shape: its input buffers, the replay, and its outputs (rewritten by every replay)."""
 
-    index: torch.Tensor  # (5 Np + 2 R,) long: ids, positions, token rows, token slots, grid cells; seen, tree starts
-    block: torch.Tensor  # (R, T, T) bool: each row's tree visibility
+    index: torch.Tensor  # (4 Np + 2 R,) long: ids, token rows, token slots, grid cells; seen, tree starts
+    block: torch.Tensor  # (R, T, T) bool: each row's tree visibility (causal where it draws none)
     replay: Callable[[], None]
     logits: torch.Tensor  # (Np, V)
     hidden: dict[int, torch.Tensor]  # layer -> (Np, H)
@@ -156,8 +156,7 @@ class CapturedForward:
 
     @torch.inference_mode()
     def __call__(
-        self, input_ids: torch.Tensor, segments: Sequence[Segment], position_ids: torch.Tensor,
-        hidden_layers: tuple[int, ...] = (),
+        self, input_ids: torch.Tensor, segments: Sequence[Segment], hidden_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`FastLlama.forward_packed`'s work and results: logits (N, V) and hidden states (N, H), packed."""
         pool, rows_total = self.pool, self.pool.kv.shape[2]
@@ -176,11 +175,11 @@ class CapturedForward:
             tree_starts[row] = start
         padding = input_ids.new_zeros(np_ - n)
         meta = staged(self.device, token_rows, token_slots, cells, seen, tree_starts)  # one copy
-        index = torch.cat([input_ids, padding, position_ids, padding, *meta])
-        block = torch.zeros(rows_total, t, t, dtype=torch.bool, device=self.device)
+        index = torch.cat([input_ids, padding, *meta])
+        block = causal(t, self.device).expand(rows_total, t, t).clone()  # chains and one-token rows draw nothing
         for seg, row in zip(segments, rows):
-            if seg.size > 1:
-                block[row, : seg.size, : seg.size] = visibility(seg, self.device)
+            if seg.visible is not None:
+                block[row, : seg.size, : seg.size] = seg.visible
         logits, hidden = self._forward(shape, index, block)
         return logits[:n], {i: h[:n] for i, h in hidden.items()}
 
@@ -216,9 +215,11 @@ class CapturedForward:
         fast, kv = self.fast, self.pool.kv
         np_, t, w = shape.tokens, shape.width, shape.slots
         r = kv.shape[2]
-        ids, positions, token_rows, token_slots, cells = index[: 5 * np_].view(5, np_)
-        seen, tree_starts = index[5 * np_ :].view(2, r)
+        ids, token_rows, token_slots, cells = index[: 4 * np_].view(4, np_)
+        seen, tree_starts = index[4 * np_ :].view(2, r)
         x = F.embedding(ids, fast.embed)[None]  # (1, Np, H)
+        # A token's position: its row's first new slot plus its depth (what it sees of the row's block, less itself).
+        positions = tree_starts[token_rows] + block.sum(-1).view(-1)[cells] - 1
         cos, sin = self.cos[positions][None, :, None], self.sin[positions][None, :, None]  # (1, Np, 1, D)
         # What each row's query t' sees of slots [0, W): its cached slots, and its tree's block from its start on.
         columns = torch.arange(w, device=kv.device)

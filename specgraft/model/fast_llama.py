@@ -25,6 +25,7 @@ capacity, H hidden, Hq query heads, Hkv key/value heads, D head_dim, V vocab.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 from typing import Sequence
@@ -97,7 +98,8 @@ class Segment:
         row: the row of the batched cache the tokens belong to.
         size: T, how many new tokens.
         visible: (T, T) bool, which of the row's new tokens each sees (a tree's ancestor mask, itself
-            included); None: causal. Every new token sees all of its row's cached slots.
+            included); None: causal. Every new token sees all of its row's cached slots, and sits at the position
+            after them plus its depth: how many of the row's new tokens it sees, less itself.
     """
 
     row: int
@@ -119,8 +121,11 @@ class _Span:
 
     Attributes:
         mask: (G, 1, T, width) additive; what each padded query sees of the span's slots [0, width).
-        grid, columns: where each member token sits in the (G * T) query grid, and its index in the packed N;
-            None when the span's tokens lie in the packed order already, from ``offset`` on (no moves).
+        fill: (G * T,) the packed token each cell of the query grid takes (a padding cell: any of the span's, its
+            output dropped); None when the span's tokens lie in the packed order already, from ``offset`` on.
+        order: (N,) each packed token's cell, where this span is the forward's only one and moves its tokens.
+        grid, columns: where each member token sits in the grid, and its index in the packed N, where others
+            share the forward and this span moves its tokens.
     """
 
     lo: int
@@ -129,6 +134,8 @@ class _Span:
     width: int
     mask: torch.Tensor
     offset: int
+    fill: torch.Tensor | None
+    order: torch.Tensor | None
     grid: torch.Tensor | None
     columns: torch.Tensor | None
 
@@ -184,7 +191,7 @@ class PackedAttention:
         call = CALL_MACS.get(device.type, GPU_CALL_MACS) / channels
         runs = _spans(sorted(range(len(segments)), key=rows.__getitem__), rows, sizes, starts, call)
         # Every index list the layers need is built on the host first, then staged in one copy (`staged`).
-        seen, trees, tree_at, grids, columns, shapes = [], [], [], [], [], []
+        seen, trees, tree_at, fills, orders, grids, columns, shapes = [], [], [], [], [], [], [], []
         for run in runs:
             lo, hi = rows[run[0]], rows[run[-1]] + 1
             widest, width = max(sizes[i] for i in run), max(starts[i] + sizes[i] for i in run)
@@ -203,29 +210,52 @@ class PackedAttention:
                     tree_at.append(base + rows[i] - lo)
             # The packed order already is the padded one (every row of the span, in turn, all of one size): no moves.
             in_place = column == list(range(column[0], column[0] + (hi - lo) * widest)) and grid == list(range(len(grid)))
-            grids.append([] if in_place else grid)
-            columns.append([] if in_place else column)
-            shapes.append((lo, hi, widest, width, base, column[0], in_place))
-        staged_lists = staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], tree_at, *grids, *columns)
+            alone = len(runs) == 1  # the forward's only call: it holds every token
+            fill, order = [column[0]] * ((hi - lo) * widest), [0] * len(column)
+            for cell, token in zip(grid, column):
+                fill[cell] = token
+                if alone:
+                    order[token] = cell
+            fills.append([] if in_place else fill)
+            orders.append(order if alone and not in_place else [])
+            grids.append([] if in_place or alone else grid)
+            columns.append([] if in_place or alone else column)
+            shapes.append((lo, hi, widest, width, base, column[0], in_place, alone))
+        # A drawn tree's tokens (a segment with its own visibility): where each sits in the packed N and in the trees'
+        # (M * T) block, and its row's first slot; its position is that slot plus its depth, read off the block.
+        widest = max(sizes)
+        drawn = [(m, i) for m, i in enumerate(trees) if segments[i].visible is not None]
+        drawn_tokens = [offsets[i] + j for _, i in drawn for j in range(sizes[i])]
+        drawn_cells = [m * widest + j for m, i in drawn for j in range(sizes[i])]
+        drawn_starts = [starts[i] for _, i in drawn for _ in range(sizes[i])]
+        staged_lists = staged(device, token_rows, token_slots, seen, [starts[i] for i in trees], tree_at, drawn_tokens,
+                              drawn_cells, drawn_starts, *fills, *orders, *grids, *columns)
         self.rows, self.slots, seen_at, tree_starts, tree_rows = staged_lists[:5]
-        grids_at, columns_at = staged_lists[5 : 5 + len(runs)], staged_lists[5 + len(runs) :]
+        drawn_at, cells_at, drawn_starts_at = staged_lists[5:8]
+        per_span = [staged_lists[8 + k * len(runs) : 8 + (k + 1) * len(runs)] for k in range(4)]  # fills, orders, ...
+        # A causal segment's token sits at its slot: (N,) RoPE positions, the drawn trees' set below.
+        self.positions = self.slots
         # One (rows of every span, T, room) visibility for all spans, each span's mask cut from it.
         dtype = pool.kv.dtype
-        widest = max(shape[2] for shape in shapes)
         room = max([shape[3] for shape in shapes] + [starts[i] + widest for i in trees])
         visible = torch.arange(room, device=device) < seen_at[:, None, None]  # (sum G, 1, room)
         visible = visible.expand(len(seen), widest, room).clone()
         if trees:  # each tree's (T, T) visibility into its own slots [start, start + T), all rows in one scatter
-            block = torch.zeros(len(trees), widest, widest, dtype=torch.bool, device=device)
-            for m, i in enumerate(trees):
-                block[m, : sizes[i], : sizes[i]] = visibility(segments[i], device)
+            block = causal(widest, device).expand(len(trees), widest, widest)  # chains: no work a row
+            if drawn:
+                block = block.clone()
+                for m, i in drawn:
+                    block[m, : sizes[i], : sizes[i]] = segments[i].visible
+                depth = block.sum(-1).view(-1)[cells_at] - 1  # a node sees its ancestors and itself
+                self.positions = self.slots.index_put((drawn_at,), drawn_starts_at + depth)
             at = tree_starts[:, None, None] + torch.arange(widest, device=device)
             visible[tree_rows] = visible[tree_rows].scatter(2, at.expand(-1, widest, -1), block)
         masks = additive(visible[:, None], dtype)  # (sum G, 1, T, room)
         self.spans = [
             _Span(lo, hi, t, width, masks[base : base + hi - lo, :, :t, :width].contiguous(), offset,
-                  None if in_place else grid, None if in_place else column)
-            for (lo, hi, t, width, base, offset, in_place), grid, column in zip(shapes, grids_at, columns_at)
+                  None if in_place else fill, None if in_place or not alone else order,
+                  None if in_place or alone else grid, None if in_place or alone else column)
+            for (lo, hi, t, width, base, offset, in_place, alone), fill, order, grid, column in zip(shapes, *per_span)
         ]
 
     def attend(self, model: FastLlama, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -237,20 +267,18 @@ class PackedAttention:
         out = None
         for span in self.spans:
             g, t = span.hi - span.lo, span.widest
-            if span.grid is None:  # (G * T, Hq, D) in place
-                grouped = tokens[span.offset : span.offset + g * t]
-            else:
-                grouped = tokens.new_zeros(g * t, heads, dim)
-                grouped[span.grid] = tokens[span.columns]
+            # (G * T, Hq, D): in place, or each cell's token gathered (padding cells repeat one; dropped after)
+            grouped = tokens[span.offset : span.offset + g * t] if span.fill is None else tokens[span.fill]
             grouped = grouped.view(g, t, heads, dim).transpose(1, 2)  # (G, Hq, T, D)
             result = model._attend(grouped, keys[span.lo : span.hi, :, : span.width], values[span.lo : span.hi, :, : span.width],
                                    span.mask)  # (G, Hq, T, D)
             result = result.transpose(1, 2).reshape(g * t, heads, dim)  # (G * T, Hq, D)
-            if len(self.spans) == 1 and span.grid is None and g * t == n:  # every token, in order: the result is the output
-                return result.reshape(1, n, heads * dim)
+            if len(self.spans) == 1:  # the forward's one call: every token, in order already or gathered back
+                out = result if span.fill is None else result[span.order]
+                return out.reshape(1, n, heads * dim)
             if out is None:
                 out = tokens.new_empty(n, heads, dim)
-            if span.grid is None:
+            if span.fill is None:
                 out[span.offset : span.offset + g * t] = result
             else:
                 out[span.columns] = result[span.grid]
@@ -280,11 +308,11 @@ def folded_attention(
     return out.view(b, heads, t, dim)
 
 
-def visibility(segment: Segment, device: torch.device) -> torch.Tensor:
-    """(T, T) bool: which of a row's new tokens each sees (causal when the segment names no tree)."""
-    if segment.visible is not None:
-        return segment.visible
-    return torch.ones(segment.size, segment.size, dtype=torch.bool, device=device).tril()
+@functools.lru_cache(maxsize=64)
+def causal(size: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool lower triangle: a chain's visibility, made once per size and device (never written: expand or
+    clone it)."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril()
 
 
 def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -639,17 +667,17 @@ class FastLlama:
         input_ids: torch.Tensor,
         pool: BatchedKVCache,
         segments: Sequence[Segment],
-        position_ids: torch.Tensor,
         hidden_layers: tuple[int, ...] = (),
         logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run several rows' new tokens, concatenated, in one forward: logits (N, V) and hidden states (N, H).
 
         The linear layers see (N, H), every row's tokens and no padding; attention runs per row over that
-        row's slots (`PackedAttention`). Token order: segment by segment, as ``segments`` lists them.
+        row's slots (`PackedAttention`). Token order: segment by segment, as ``segments`` lists them. A token's
+        RoPE position is its row's length before the forward plus its depth in the segment (`Segment`).
 
         Args:
-            input_ids, position_ids: (N,) the segments' tokens and RoPE positions, concatenated.
+            input_ids: (N,) the segments' tokens, concatenated.
             pool: the rows' cache; each segment's row gets its tokens' slots after its own length.
             segments: one per row, N tokens in all.
             hidden_layers: as in `forward`.
@@ -657,8 +685,8 @@ class FastLlama:
         """
         self.taps(hidden_layers)  # checked before the pool's rows grow
         x = F.embedding(input_ids, self.embed)[None]  # (1, N, H)
-        cos, sin = self._rope(x, position_ids[None], pool.max_len)  # (1, N, 1, D)
         packed = PackedAttention(pool, segments, x.device, self.num_heads * self.head_dim)
+        cos, sin = self._rope(x, packed.positions[None], pool.max_len)  # (1, N, 1, D)
         return self.packed_layers(x, cos, sin, packed, hidden_layers, logits_at)
 
     def packed_layers(

@@ -259,16 +259,16 @@ class Target:
         input_ids: torch.Tensor,
         cache: BatchedKVCache,
         segments: Sequence[Segment],
-        position_ids: torch.Tensor,
         hidden_layers: Sequence[int] = (),
         logits_at: torch.Tensor | None = None,
     ) -> ModelOutput:
         """One forward over several rows' new tokens, concatenated (fast path only; see `FastLlama.forward_packed`).
 
         Args:
-            input_ids, position_ids: (N,) every segment's tokens and RoPE positions, segment by segment.
+            input_ids: (N,) every segment's tokens, segment by segment.
             cache: the batched cache whose rows the segments name; each row's length grows by its tokens.
-            segments: one `Segment` per row: its row, token count and tree visibility.
+            segments: one `Segment` per row: its row, token count and tree visibility (which give each token's
+                position: the row's length before the forward plus the token's depth).
             logits_at: (M,) the only tokens whose logits are computed (prompts' last tokens in a prefill, whose
                 shapes are never captured).
 
@@ -280,10 +280,9 @@ class Target:
         if self.capture and logits_at is None:
             if self.captured is None or self.captured.pool is not cache:
                 self.captured = CapturedForward(self.fast, cache)
-            logits, hidden = self.captured(input_ids, segments, position_ids, tuple(hidden_layers))
+            logits, hidden = self.captured(input_ids, segments, tuple(hidden_layers))
         else:
-            logits, hidden = self.fast.forward_packed(input_ids, cache, segments, position_ids, tuple(hidden_layers),
-                                                      logits_at)
+            logits, hidden = self.fast.forward_packed(input_ids, cache, segments, tuple(hidden_layers), logits_at)
         return ModelOutput(logits=logits.float(), hidden=hidden)
 
 
