@@ -65,6 +65,7 @@ from specgraft.infer.observer import (
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
     Acceptance, AcceptRule, accept, accept_chains, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
+    stacked,
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import (
@@ -836,7 +837,7 @@ class Scheduler:
                                        [r.sampling for r in group])  # (G, 2 + 2 N)
                 parts.append(Part(result, [r.handle for r in group], trees[group[0].handle].num_nodes))
             for group in _grouped(roots, lambda r: r.sampling):
-                logits = torch.stack([verified[r.handle].logits[0] for r in group])  # (G, V)
+                logits = stacked([verified[r.handle].logits[0] for r in group])  # (G, V)
                 parts.append(Part(_choose_roots([r.sampling for r in group], logits), [r.handle for r in group], 0))
             flat = [part.result.flatten() for part in parts]
             flat = flat[0] if len(flat) == 1 else torch.cat(flat)
@@ -1037,7 +1038,8 @@ def _choose_roots(samplings: list[Sampling], logits: torch.Tensor) -> torch.Tens
     sampling = samplings[0]
     if sampling.greedy:
         return sampling.ban(logits).argmax(-1)
-    return torch.cat([s.draw(row[None])[0] for s, row in zip(samplings, sampling.probs(logits))])
+    draws = [s.draw(row[None])[0] for s, row in zip(samplings, sampling.probs(logits))]  # (1,) each
+    return draws[0] if len(draws) == 1 else torch.cat(draws)
 
 
 def _grouped(rows: list[Request], key: Callable[[Request], Hashable]) -> list[list[Request]]:

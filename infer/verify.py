@@ -158,10 +158,15 @@ def accept(tree: Tree, logits: torch.Tensor, sampling: Sampling, rule: AcceptRul
 def accept_chains(trees: Sequence[Tree], logits: Sequence[torch.Tensor], samplings: Sequence[Sampling]) -> torch.Tensor:
     """`sample_accept_chains` on the target's filtered p at the nodes of sampled chains of one length, one filter
     setting and one kind of draft (all sampled, or all top-k): (G, 2 + 2 * N), as that returns."""
-    p = target_probs(torch.stack(list(logits)), samplings[0])  # (G, N, V): the filters work row by row
-    q = None if trees[0].q is None else torch.stack([tree.q for tree in trees])
-    tokens = torch.stack([tree.tokens for tree in trees])
+    p = target_probs(stacked(logits), samplings[0])  # (G, N, V): the filters work row by row
+    q = None if trees[0].q is None else stacked([tree.q for tree in trees])
+    tokens = stacked([tree.tokens for tree in trees])
     return sample_accept_chains(tokens, q, p, samplings, tokens.shape[1])
+
+
+def stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, a view where there is one (a lone row's step pays each launch)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(list(tensors))
 
 
 def sample_accept(tree: Tree, p: torch.Tensor, sampling: Sampling) -> Acceptance:
@@ -235,18 +240,18 @@ def sample_accept_chains(
     """
     g, n = tokens.shape
     if q is None:
-        draws = torch.stack([s.draw(row)[:, 0] for s, row in zip(samplings, p)])  # (G, N) one draw from each node's p
+        draws = stacked([s.draw(row)[:, 0] for s, row in zip(samplings, p)])  # (G, N) one draw from each node's p
         kept = (draws[:, :-1] == tokens[:, 1:]).long().cumprod(1).sum(1)  # (G,)
     else:
         q, drafted = q[:, 1:], tokens[:, 1:, None]  # (G, N - 1, V), (G, N - 1, 1)
         ratio = (p[:, :-1].gather(2, drafted) / q.gather(2, drafted))[..., 0].clamp(max=1.0)  # (G, N - 1)
-        u = torch.stack([torch.rand(n - 1, generator=s.generator, device=p.device) for s in samplings])
+        u = stacked([torch.rand(n - 1, generator=s.generator, device=p.device) for s in samplings])
         kept = (u < ratio).long().cumprod(1).sum(1)
         residual = (p[:, :-1] - q).clamp(min=0.0)
         mass = residual.sum(-1, keepdim=True)
         fallback = torch.where(mass > EMPTY_RESIDUAL, residual / mass.clamp(min=EMPTY_RESIDUAL), p[:, :-1])
         laws = torch.cat([fallback, p[:, -1:]], 1)  # (G, N, V): level i's correction, then the bonus
-        draws = torch.stack([s.draw(row)[:, 0] for s, row in zip(samplings, laws)])  # (G, N)
+        draws = stacked([s.draw(row)[:, 0] for s, row in zip(samplings, laws)])  # (G, N)
     path = torch.minimum(torch.arange(width, device=p.device), kept[:, None])  # 0..K-1, then K-1 repeated (K = kept + 1)
     return torch.cat([(kept + 1)[:, None], draws.gather(1, kept[:, None]), path, tokens.gather(1, path)], 1)
 
