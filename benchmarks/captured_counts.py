@@ -7,8 +7,10 @@
 A CUDA graph replays the target's whole verification forward in one launch; what else a step launches (drafting,
 acceptance, the copies into and out of the graph's buffers) still counts on a GPU. Here the replay is emulated: a
 recorder whose replay computes the forward again from the graph's own buffers with the counter switched off, so the
-counts are a captured step's, less its one replay. Prints kernels / syncs a step (`specgraft.tools.step_counts`) for
-plain decoding and each tree, at batch 1 and 16, captured and packed (the default), and how many steps replayed.
+counts are a captured step's, less its one replay. A feature head's chain levels over the pool's rows replay their
+own graphs (`specgraft.heads.captured_levels`), emulated the same way. Prints kernels / syncs a step
+(`specgraft.tools.step_counts`) for plain decoding and each tree, at batch 1 and 16, captured and packed (the
+default), and how many steps replayed the target's forward and how many levels replayed.
 """
 
 from __future__ import annotations
@@ -19,25 +21,32 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import specgraft as sg
+from specgraft.heads.captured_levels import CapturedLevels
 from specgraft.model.captured import CapturedForward, Recomputed
 from specgraft.tools.step_counts import count_steps
 
 WARM_STEPS, COUNTED_STEPS = 6, 10
 
 
-def counts(target, drafter, tree: str | None, batch: int, captured: bool) -> tuple[float, float, int]:
-    """Kernels and syncs a steady step of ``batch`` rows, and the counted steps that replayed."""
+def counts(target, drafter, tree: str | None, batch: int, captured: bool) -> tuple[float, float, int, int]:
+    """Kernels and syncs a steady step of ``batch`` rows, the counted steps that replayed, and the levels that did."""
     sched = sg.Scheduler(target, {"d": drafter} if drafter is not None else {}, max_batch_size=batch)
+    levels = None
     if captured:
         target.captured = CapturedForward(target.fast, sched.pool, recorder=Recomputed(around=_disable_current_modes))
+        if hasattr(drafter, "levels"):  # a feature head: its chain levels over the pool's rows
+            levels = drafter.captured = CapturedLevels(drafter.head, sched.draft_pools["d"],
+                                                       recorder=Recomputed(around=_disable_current_modes))
     for k in range(batch):
         sched.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=200, eos_token_id=(),
                      drafter="d" if drafter is not None else "none", tree=sg.parse_tree_spec(tree) if tree else None)
     for _ in range(WARM_STEPS):  # every shape of the counted steps captured first
         sched.step()
-    replays = target.captured.replays if captured else 0
+    replays = target.captured.graphs.replays if captured else 0
+    level_replays = levels.graphs.replays if levels is not None else 0
     c = count_steps(sched.step, COUNTED_STEPS)
-    return c.kernels_per_step, c.syncs_per_step, (target.captured.replays - replays) if captured else 0
+    return (c.kernels_per_step, c.syncs_per_step, (target.captured.graphs.replays - replays) if captured else 0,
+            levels.graphs.replays - level_replays if levels is not None else 0)
 
 
 def main() -> None:
@@ -49,15 +58,15 @@ def main() -> None:
     torch.set_num_threads(1)
     target = sg.load_target(args.target, capture=True, small_rows="linear")
     drafter = sg.load_drafter(args.drafter, target) if args.drafter else None
-    print(f"| method | batch | captured: kernels / syncs a step (replays of {COUNTED_STEPS}) | packed |")
+    print(f"| method | batch | captured: kernels / syncs a step (forward replays of {COUNTED_STEPS}, level replays) | packed |")
     print("|---|---:|---:|---:|")
     for name, d, tree in [("plain", None, None)] + [(f"{args.drafter} {t}", drafter, t) for t in args.tree]:
         for batch in (1, 16):
-            kernels, syncs, replays = counts(target, d, tree, batch, captured=True)
+            kernels, syncs, replays, levels = counts(target, d, tree, batch, captured=True)
             target.capture, target.captured = False, None
             packed = counts(target, d, tree, batch, captured=False)
             target.capture = True
-            print(f"| {name} | {batch} | {kernels:,.0f} / {syncs:.1f} ({replays}) | {packed[0]:,.0f} / {packed[1]:.1f} |",
+            print(f"| {name} | {batch} | {kernels:,.0f} / {syncs:.1f} ({replays}, {levels}) | {packed[0]:,.0f} / {packed[1]:.1f} |",
                   flush=True)
 
 

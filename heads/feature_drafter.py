@@ -37,7 +37,9 @@ from typing import Sequence
 import torch
 
 from specgraft.heads.base import DraftRequest, shared_top_k_static
+from specgraft.heads.captured_levels import CapturedLevels
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
+from specgraft.model.fast_llama import DYNAMIC_ROPE
 from specgraft.model.staging import staged
 from specgraft.tree import (
     Adaptive, Chain, DynamicTree, Sampling, StaticTree, Tree, TreePolicy, grow_chains, grow_together,
@@ -61,9 +63,19 @@ class FeatureDrafter:
         self.hidden_layers = head.hidden_layers
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS
+        self.target = target  # whose ``capture`` says whether chain levels over a pool's rows are captured
+        self.captured: CapturedLevels | None = None  # the last pool's (its graphs hold that pool's addresses)
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_draft_rows(rows, max_len)
+
+    def levels(self, rows: BatchedKVCache | None) -> CapturedLevels | None:
+        """The captured chain levels over ``rows`` where the target captures (None: levels run eager)."""
+        if rows is None or not self.target.capture or getattr(self.head.fast().rotary, "rope_type", None) in DYNAMIC_ROPE:
+            return None
+        if self.captured is None or self.captured.pool is not rows or self.captured.head is not self.head:
+            self.captured = CapturedLevels(self.head, rows)
+        return self.captured
 
     def draft_slots(self, policy: TreePolicy) -> int | None:
         """The root's pair and a slot per node of every level's frontier: 1 + (depth - 1) x the widest frontier
@@ -90,7 +102,7 @@ class FeatureDrafter:
                 for group in rounds:
                     trees.update(zip(group, self.propose_batch([requests[i] for i in group], rows)))
                 return [trees[i] for i in range(len(requests))]
-        round_ = FeatureRound(self.head, requests, rows)
+        round_ = FeatureRound(self.head, requests, rows, self.levels(rows))
         try:
             round_.run_roots()
             if all(type(r.policy) is Chain for r in requests):  # every level of every row on the device
@@ -363,10 +375,13 @@ class FeatureRound:
     at each node (its children's input feature) and the node's draft log-probs.
     """
 
-    def __init__(self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None) -> None:
+    def __init__(
+        self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None, levels: CapturedLevels | None = None,
+    ) -> None:
         if rows is None and len(requests) != 1:
             raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
         self.head, self.requests, self.rows = head, list(requests), rows
+        self.levels = levels if rows is not None else None  # chain levels over ``rows``, captured
         self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
         self.cache = rows if rows is not None else requests[0].state.cache
         self.lengths = self._lengths()  # every row's committed slots, restored by `rollback`
@@ -436,8 +451,7 @@ class FeatureRound:
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             state["level"] += 1
-            out = self._level(state, tokens[:, None], None if state["level"] == 2 else only)
-            return self.head.draft_logp(out[:, 0]).float().log_softmax(-1)
+            return self._level(state, tokens[:, None], None if state["level"] == 2 else only)[:, 0]
 
         trees = grow_chains(roots, logp, step, [r.policy for r in self.requests], [r.max_depth for r in self.requests],
                             [r.sampling for r in self.requests])
@@ -471,7 +485,7 @@ class FeatureRound:
 
         def step(tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
             state["level"] += 1
-            return self.head.draft_logp(self._level(state, tokens, came_from)).float().log_softmax(-1)  # (R, K, V)
+            return self._level(state, tokens, came_from)  # (R, K, V)
 
         trees, width = grow(roots, logp, step, depths)
         for i, (request, depth) in enumerate(zip(self.requests, depths)):
@@ -482,7 +496,9 @@ class FeatureRound:
 
     def _level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
         """One level of every request's tree (a dynamic tree's, or a chain's: a frontier of one): (R, k) frontier
-        tokens, each with its parent's place in the last frontier (None: the root) -> (R, k, H) their outputs.
+        tokens, each with its parent's place in the last frontier (None: the root) -> (R, k, V) their children's draft
+        log-probs (their (R, k, H) outputs go to ``state``). A chain's level over a captured pool's rows replays its
+        graph (`CapturedLevels`).
 
         Frontier node j at level l (its depth l - 1 in the tree's nodes run so far) sits at slot
         base + (l - 2) * k + j, at position length + l - 2, and sees its state's committed pairs and the root
@@ -494,22 +510,24 @@ class FeatureRound:
             parent = state["outputs"] if came_from is None else state["outputs"].gather(
                 1, came_from[:, :, None].expand(-1, -1, state["outputs"].shape[-1]))
             state["outputs"] = self.head.draft_step(parent, tokens, position, None, self.cache)
-            return state["outputs"]
+            return self.head.draft_logp(state["outputs"]).float().log_softmax(-1)
         starts, held, lengths, rows = self.meta
         if level == 2:
             self._base = starts + (max(self._lengths()) - max(self.lengths)) * held  # the roots' forward's T
         parent_out = state["outputs"]  # (R, k or 1, H) the last frontier's outputs (the root's at first)
         chain = k == 1  # a chain's node sees every tree slot before it: its ancestors are all the nodes run
+        tree_seen = None  # a chain's: every tree slot before it (see below)
         if came_from is None or chain:
             features = parent_out.expand(-1, k, -1)
-            seen = torch.zeros(len(self.requests), k, 0, dtype=torch.bool, device=tokens.device)
         else:  # each node sees what its parent saw, and its parent
             features = parent_out.gather(1, came_from[:, :, None].expand(-1, -1, parent_out.shape[-1]))
-            seen = torch.cat([state["seen"].gather(1, came_from[:, :, None].expand(-1, -1, state["seen"].shape[-1])),
-                              torch.nn.functional.one_hot(came_from, k).bool()], dim=2)
-        state["seen"] = seen  # (R, k, (level - 2) * k) over the tree slots run before (a chain keeps none)
-        own = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(self.requests), -1, -1)
-        tree_seen = None if chain else torch.cat([seen, own], dim=2)  # (R, k, (level - 1) * k): tree slots from base
+        if not chain:
+            seen = torch.zeros(len(self.requests), k, 0, dtype=torch.bool, device=tokens.device) if came_from is None else (
+                torch.cat([state["seen"].gather(1, came_from[:, :, None].expand(-1, -1, state["seen"].shape[-1])),
+                           torch.nn.functional.one_hot(came_from, k).bool()], dim=2))
+            state["seen"] = seen  # (R, k, (level - 2) * k) over the tree slots run before
+            own = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(self.requests), -1, -1)
+            tree_seen = torch.cat([seen, own], dim=2)  # (R, k, (level - 1) * k): tree slots from base
         in_order = [r.row for r in self.requests] == list(range(b))
         if not in_order:  # rows of the pool that draft nothing now pad: they see their own slot, outputs dropped
             if tree_seen is not None:
@@ -518,6 +536,10 @@ class FeatureRound:
                 tree_seen = pad.index_copy(0, rows, tree_seen)
             features = features.new_zeros(b, k, features.shape[-1]).index_copy(0, rows, features)
             tokens = tokens.new_zeros(b, k).index_copy(0, rows, tokens)
+        if chain and self.levels is not None:
+            out, logp = self.levels(features, tokens, self._base, held, lengths, level)  # (B, 1, H), (B, V)
+            state["outputs"] = out if in_order else out.index_select(0, rows)
+            return (logp if in_order else logp.index_select(0, rows))[:, None]
         slot = self._base + (level - 2) * k * held  # (B,) each row's first new slot: its length now
         width = max(self._lengths()) + k
         columns = torch.arange(width, device=tokens.device)
@@ -536,7 +558,7 @@ class FeatureRound:
         out = self.head.draft_step(features, tokens, positions, mask, self.cache)  # (B, k, H)
         out = out if in_order else out.index_select(0, rows)
         state["outputs"] = out
-        return out
+        return self.head.draft_logp(out).float().log_softmax(-1)
 
     def step(self, asked: list[tuple[int, Tree, torch.Tensor]]) -> list[torch.Tensor]:
         """`grow_together`'s step: one forward for every asked request's new frontier nodes."""

@@ -14,7 +14,7 @@ from test_scheduler import BRANCHING_TREE, Driver, ROW_FILTERS, ROW_TEMPERATURES
 
 import specgraft as sg
 from specgraft.model import Segment
-from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Recomputed, Shape, bucket
+from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Recomputed, Shape, bucket, slot_bucket
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_the_static_forward_gives_the_packed_forwards_logits_states_and_cache(st
     for row in range(rows):
         held = len(packed.views[row])
         torch.testing.assert_close(static.kv[:, :, row, :, :held], packed.kv[:, :, row, :, :held], rtol=1e-4, atol=1e-5)
-    assert len(shapes) > 2 and forward.eager == 8 and forward.captures == forward.replays == 0  # CPU: eager
+    assert len(shapes) > 2 and forward.graphs.eager == 8 and forward.graphs.captures == forward.graphs.replays == 0  # CPU
 
 
 def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(stories):
@@ -92,8 +92,9 @@ def test_replays_read_each_steps_inputs_and_hand_out_outputs_of_their_own(storie
         returned.append((got, got.clone(), states[2], states[2].clone()))
     for got, kept, state, kept_state in returned:  # no later replay wrote into what an earlier step was handed
         assert torch.equal(got, kept) and torch.equal(state, kept_state)
-    assert forward.captures == len(forward.graphs) == 3
-    assert forward.replays >= 6 and forward.eager > 0 and forward.captures + forward.replays + forward.eager == 14
+    graphs = forward.graphs
+    assert graphs.captures == len(graphs) == 3
+    assert graphs.replays >= 6 and graphs.eager > 0 and graphs.captures + graphs.replays + graphs.eager == 14
     stats = forward.stats()
     assert stats["graphs"] == stats["captures"] == 3 and stats["capture_seconds"] > 0
 
@@ -119,10 +120,9 @@ def test_padding_writes_only_the_scratch_row_and_each_token_its_own_slot(stories
 
 def test_shapes_are_buckets_of_tokens_tree_width_and_slots(stories):
     assert [bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    pool = stories.fast.new_batched_cache(2, 3 * SLOT_BUCKET - 10, scratch=True)
-    forward = CapturedForward(stories.fast, pool)
-    assert [forward._slots(w) for w in (1, SLOT_BUCKET, SLOT_BUCKET + 1, 3 * SLOT_BUCKET)] == [
-        SLOT_BUCKET, SLOT_BUCKET, 2 * SLOT_BUCKET, 3 * SLOT_BUCKET - 10]
+    most = 3 * SLOT_BUCKET - 10  # a pool's slots
+    assert [slot_bucket(w, most) for w in (1, SLOT_BUCKET, SLOT_BUCKET + 1, 3 * SLOT_BUCKET)] == [
+        SLOT_BUCKET, SLOT_BUCKET, 2 * SLOT_BUCKET, most]
     assert Shape(8, 4, 256, ()) == Shape(8, 4, 256, ()) != Shape(8, 4, 256, (1,))
 
 
@@ -151,7 +151,7 @@ def test_a_captured_target_gives_every_drafter_kind_the_targets_greedy_output(ca
     assert driver.result(handles[2]).stats.mean_accepted_length > 2.0  # the trained head accepted deep paths
     lone = sg.SpeculativeGenerator(captured, eagle, tree=sg.Chain(4)).generate(prompts[0], 30, eos_token_id=())
     assert lone.token_ids == hf_generate(captured, prompts[0], 30, eos_token_id=None)
-    assert captured.captured.eager > 0 and captured.captured.pool.scratch_row is not None
+    assert captured.captured.graphs.eager > 0 and captured.captured.pool.scratch_row is not None
 
 
 def test_sampled_rows_through_a_captured_target_follow_their_own_distributions():
@@ -187,7 +187,7 @@ def test_sampled_rows_through_a_captured_target_follow_their_own_distributions()
             driver.step()
         for i, handle in handles:
             counts[i][tuple(driver.result(handle).token_ids)] += 1
-    assert target.captured.eager == sched.counters.verify_forwards == sched.counters.steps
+    assert target.captured.graphs.eager == sched.counters.verify_forwards == sched.counters.steps
     for counter, prompt, temperature, filters in zip(counts, prompts, ROW_TEMPERATURES, ROW_FILTERS):
         result = fit(counter, enumerated(target, prompt, temperature, filters))
         assert result.passed, f"T={temperature} {filters}: {result}"
@@ -201,3 +201,68 @@ def test_the_environment_turns_capture_on_where_load_target_is_not_told(stories,
     monkeypatch.setenv("SPECGRAFT_CAPTURE", "yes")
     with pytest.raises(ValueError, match="SPECGRAFT_CAPTURE='yes' must be 0 or 1"):
         sg.load_target(STORIES)
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
+def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_eagle, dev_prompts, monkeypatch, options):
+    """EAGLE chains whose levels replay captured graphs (emulated here: a replay computes again from the graph's own
+    buffers) draft every step what levels run eager draft, so each request gets the same tokens: requests of unequal
+    lengths through 3 rows, so later ones draft in rows out of order beside rows that draft nothing, chains of
+    several depths, the same target (captured) under both."""
+    from specgraft.heads.captured_levels import CapturedLevels
+    from specgraft.heads.feature_drafter import FeatureDrafter
+    from specgraft.infer import StepObserver
+
+    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    prompts = [target.encode(p) for p in dev_prompts[30:36]]
+    budgets, depths = [30, 7, 22, 12, 26, 9], [4, 2, 3, 4, 1, 3]
+
+    def run(captured: bool):
+        eagle = sg.load_drafter(trained_eagle, target)
+        sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=3)
+        if captured:
+            eagle.captured = CapturedLevels(eagle.head, sched.draft_pools["eagle"], recorder=Recomputed())
+        drafts = Drafts()
+        sched.add_observer(drafts)
+        driver = Driver(sched)
+        handles = [sched.submit(p, n, drafter="eagle", tree=sg.Chain(d), eos_token_id=(), seed=k, **options)
+                   for k, (p, n, d) in enumerate(zip(prompts, budgets, depths))]
+        driver.run(*handles)
+        return [driver.result(h).token_ids for h in handles], drafts.trees, eagle.captured
+
+    class Drafts(StepObserver):
+        def __init__(self):
+            self.trees = []  # each step's drafted chains: (handle, tokens), in row order
+
+        def drafted(self, step):
+            self.trees.append([(h, tree.tokens.tolist()) for h, tree in step.trees.items()])
+
+    with monkeypatch.context() as eager:
+        eager.setattr(FeatureDrafter, "levels", lambda self, rows: None)
+        want, want_drafted, _ = run(False)
+    got, drafted, levels = run(True)
+    assert got == want and drafted == want_drafted
+    assert sum(len(tokens) > 3 for step in drafted for _, tokens in step) > 10  # chains deeper than two levels
+    graphs = levels.graphs
+    assert graphs.captures == len(graphs) > 0 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
+
+
+def test_a_drafter_captures_its_levels_where_its_target_captures(stories, trained_eagle):
+    """Levels over a pool's rows are captured when the target is (eager off CUDA), one set per pool and head; none
+    for a lone row's own cache, an uncaptured target, or a rope whose frequencies follow the positions."""
+    from conftest import uncaptured
+
+    from specgraft.heads.captured_levels import CapturedLevels
+
+    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    eagle = sg.load_drafter(trained_eagle, target)
+    pool = eagle.new_rows(2, 64)
+    levels = eagle.levels(pool)
+    assert levels.graphs.recorder is None and eagle.levels(pool) is levels and eagle.levels(None) is None
+    assert eagle.levels(eagle.new_rows(2, 64)) is not levels  # another pool: graphs of its own
+    assert sg.load_drafter(trained_eagle, uncaptured(target)).levels(pool) is None
+    rotary = eagle.head.fast().rotary
+    rotary.rope_type = "dynamic"  # (this drafter's own head, loaded for this test)
+    assert eagle.levels(eagle.new_rows(2, 64)) is None
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        CapturedLevels(eagle.head, pool)

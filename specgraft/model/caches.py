@@ -250,12 +250,7 @@ class BatchedKVCache:
     def extend(self, batch: int, new: int) -> torch.Tensor:
         """Give rows 0..batch-1 ``new`` more slots each, after their own lengths; returns each row's first (B,)."""
         starts = self.lengths(batch)
-        slots = self.kv.shape[4]
-        if max(starts) + new > slots:
-            raise ValueError(f"batched KV cache overflow: a row holds {max(starts)} slots + {new} new > {slots}")
-        for view in self.views[:batch]:
-            if view is not None:
-                view.extend(1, new)
+        self.grow(batch, new)
         start, self._staged_starts = self._staged_starts, None
         if start is None:
             start = torch.tensor(starts, device=self.kv.device)
@@ -265,6 +260,21 @@ class BatchedKVCache:
         self._slots = index[:, None, :, None].expand(batch, heads, new, dim)
         return start
 
+    def grow(self, batch: int, new: int) -> int:
+        """`extend`'s bookkeeping alone: rows 0..batch-1 held ``new`` more slots each; returns the longest row's length
+        after (a static forward computes the slots on the device itself: `specgraft.model.captured.StaticRows`).
+
+        Raises:
+            ValueError: a row that would overflow its slots.
+        """
+        longest = max(self.lengths(batch))
+        if longest + new > self.kv.shape[4]:
+            raise ValueError(f"batched KV cache overflow: a row holds {longest} slots + {new} new > {self.kv.shape[4]}")
+        for view in self.views[:batch]:
+            if view is not None:
+                view.extend(1, new)
+        return longest + new
+
     def stage_starts(self, starts: torch.Tensor) -> None:
         """The next `extend`'s (B,) row starts, on the device already: the caller staged them with its other
         metadata, and that extend copies no list. They must be the rows' lengths then (a free row's: 0)."""
@@ -272,11 +282,18 @@ class BatchedKVCache:
 
     def update(self, layer: int, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, Hkv, T, D) keys/values at each row's slots from `extend`; return slots [0, max start + T) of rows 0..B-1."""
+        return self.write_rows(layer, self._slots, keys, values, self._width)
+
+    def write_rows(
+        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, Hkv, T, D) keys/values of rows 0..B-1 at ``slots`` (their (B, Hkv, T, D) index); return the rows'
+        first ``width`` slots."""
         b = keys.shape[0]
         k_all, v_all = self.kv[layer, 0, :b], self.kv[layer, 1, :b]  # (B, Hkv, C, D)
-        k_all.scatter_(2, self._slots, keys)
-        v_all.scatter_(2, self._slots, values)
-        return k_all[:, :, : self._width], v_all[:, :, : self._width]
+        k_all.scatter_(2, slots, keys)
+        v_all.scatter_(2, slots, values)
+        return k_all[:, :, :width], v_all[:, :, :width]
 
     @property
     def nbytes(self) -> int:

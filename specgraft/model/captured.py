@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves, tree_map
 
 from specgraft.model.caches import BatchedKVCache
 from specgraft.model.fast_llama import DYNAMIC_ROPE, FastLlama, Segment, additive, causal
@@ -35,6 +36,11 @@ from specgraft.model.staging import staged
 
 SLOT_BUCKET = 256  # W grows by this many slots: a graph serves every step whose rows hold at most W slots
 MOST_GRAPHS = 64  # graphs kept per pool; a step of a shape beyond them runs the static forward eager
+
+
+def default_recorder(device: torch.device) -> CudaGraphs | None:
+    """CUDA graphs on a CUDA device; elsewhere none (captured functions run eager)."""
+    return CudaGraphs(device) if device.type == "cuda" else None
 
 
 def bucket(n: int) -> int:
@@ -53,17 +59,18 @@ class Shape:
 
 
 Outputs = tuple[torch.Tensor, dict[int, torch.Tensor]]  # logits (Np, V), hidden layer -> (Np, H)
+T = TypeVar("T")  # what a captured function returns: tensors, in tuples, lists or dicts
 
 
 class CudaGraphs:
-    """How `CapturedForward` records a forward once and replays it: CUDA graphs, sharing one memory pool."""
+    """How a `GraphSet` records a function once and replays it: CUDA graphs, sharing one memory pool."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.memory = None  # the graphs' shared memory pool, made with the first
 
-    def warm_up(self, run: Callable[[], Outputs]) -> Outputs:
-        """Run once on a side stream, as capture wants (this run is the step's own work: its results are returned)."""
+    def warm_up(self, run: Callable[[], T]) -> T:
+        """Run once on a side stream, as capture wants (this run is the call's own work: its results are returned)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -71,7 +78,7 @@ class CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         return outputs
 
-    def capture(self, run: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+    def capture(self, run: Callable[[], T]) -> tuple[Callable[[], None], T]:
         """Record ``run``'s kernels without running them; returns the replay and the outputs every replay rewrites."""
         graph = torch.cuda.CUDAGraph()
         if self.memory is None:
@@ -83,37 +90,78 @@ class CudaGraphs:
 
 class Recomputed:
     """What CUDA graphs do, done by computing again, where there are none (tests, counts on a CPU): a replay runs the
-    captured forward from the graph's own buffers and writes its results into the capture's outputs. ``around`` is
+    captured function on the graph's own buffers and writes its results into the capture's outputs. ``around`` is
     a context each replay runs in (one that hides it from a counter, say)."""
 
     def __init__(self, around: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.around = around
 
-    def warm_up(self, run: Callable[[], Outputs]) -> Outputs:
+    def warm_up(self, run: Callable[[], T]) -> T:
         return run()
 
-    def capture(self, run: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
-        outputs = run()  # a graph only records here; running writes the slots the warm-up wrote, with the same values
+    def capture(self, run: Callable[[], T]) -> tuple[Callable[[], None], T]:
+        outputs = run()  # a graph only records here; running writes what the warm-up wrote, with the same values
 
         def replay() -> None:
             with self.around():
-                logits, hidden = run()
-                outputs[0].copy_(logits)
-                for layer, state in hidden.items():
-                    outputs[1][layer].copy_(state)
+                for kept, new in zip(tree_leaves(outputs), tree_leaves(run()), strict=True):
+                    kept.copy_(new)
 
         return replay, outputs
 
 
 @dataclass
 class _Graph:
-    """One captured shape: its input buffers, the replay, and its outputs (rewritten by every replay)."""
+    """One captured key: its input buffers, the replay, and its outputs (rewritten by every replay)."""
 
-    index: torch.Tensor  # (4 Np + 2 R,) long: ids, token rows, token slots, grid cells; seen, tree starts
-    block: torch.Tensor  # (R, T, T) bool: each row's tree visibility (causal where it draws none)
+    inputs: tuple[torch.Tensor, ...]
     replay: Callable[[], None]
-    logits: torch.Tensor  # (Np, V)
-    hidden: dict[int, torch.Tensor]  # layer -> (Np, H)
+    outputs: Any
+
+
+class GraphSet:
+    """Functions captured once per key and replayed: the bookkeeping every captured forward shares.
+
+    A key's first call runs the function (warmed up on a side stream) and captures it over copies of its inputs;
+    later calls copy their inputs into those buffers, replay, and hand out copies of the outputs (a later replay
+    rewrites the graph's own). Without a recorder, or past ``most_graphs``, calls run eager.
+    """
+
+    def __init__(self, recorder: CudaGraphs | Recomputed | None, most_graphs: int = MOST_GRAPHS) -> None:
+        self.recorder, self.most_graphs = recorder, most_graphs
+        self.graphs: dict[Hashable, _Graph] = {}
+        self.captures = self.replays = self.eager = 0  # calls that captured a graph, replayed one, or ran eager
+        self.capture_seconds = 0.0  # host time of the capturing calls, warm-ups included: the first calls' cost
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def stats(self) -> dict[str, int | float]:
+        """What the calls did so far, for reports: graphs captured, replays, eager runs, seconds capturing."""
+        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays, "eager": self.eager,
+                "capture_seconds": round(self.capture_seconds, 3)}
+
+    def __call__(self, key: Hashable, run: Callable[..., T], *inputs: torch.Tensor) -> T:
+        """``run(*inputs)``'s results, by ``key``'s graph (captured on its first call) or eager."""
+        graph = self.graphs.get(key)
+        if graph is not None:
+            for buffer, value in zip(graph.inputs, inputs, strict=True):
+                buffer.copy_(value)
+            graph.replay()
+            self.replays += 1
+            return tree_map(torch.clone, graph.outputs)
+        if self.recorder is None or len(self.graphs) >= self.most_graphs:
+            self.eager += 1
+            return run(*inputs)
+        begun = time.perf_counter()
+        outputs = self.recorder.warm_up(lambda: run(*inputs))
+        buffers = tuple(value.clone() for value in inputs)
+        # Capturing records the kernels without running them: what the warm-up wrote (cache slots) stays.
+        replay, captured = self.recorder.capture(lambda: run(*buffers))
+        self.graphs[key] = _Graph(buffers, replay, captured)
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - begun
+        return outputs
 
 
 class CapturedForward:
@@ -144,15 +192,11 @@ class CapturedForward:
         fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=self.device), pool.max_len)
         # The table every position reads, held here: a later, larger cache may grow the model's, never this one.
         self.cos, self.sin = fast._rope_table  # (P, D) each, P >= the pool's slots
-        self.graphs: dict[Shape, _Graph] = {}
-        self.recorder = recorder if recorder is not None else CudaGraphs(self.device) if self.device.type == "cuda" else None
-        self.captures = self.replays = self.eager = 0  # forwards that captured a graph, replayed one, or ran eager
-        self.capture_seconds = 0.0  # host time of the capturing calls, warm-ups included: the first calls' cost
+        self.graphs = GraphSet(default_recorder(self.device) if recorder is None else recorder, most_graphs)
 
     def stats(self) -> dict[str, int | float]:
         """What the forwards did so far, for reports: graphs captured, replays, eager runs, seconds capturing."""
-        return {"graphs": len(self.graphs), "captures": self.captures, "replays": self.replays, "eager": self.eager,
-                "capture_seconds": round(self.capture_seconds, 3)}
+        return self.graphs.stats()
 
     @torch.inference_mode()
     def __call__(
@@ -163,7 +207,7 @@ class CapturedForward:
         sizes, rows = [seg.size for seg in segments], [seg.row for seg in segments]
         starts = pool.extend_packed(rows, sizes)
         n = sum(sizes)
-        shape = Shape(bucket(n), bucket(max(sizes)), self._slots(max(s + z for s, z in zip(starts, sizes))),
+        shape = Shape(bucket(n), bucket(max(sizes)), slot_bucket(max(s + z for s, z in zip(starts, sizes)), pool.max_len),
                       tuple(hidden_layers))
         np_, t, scratch = shape.tokens, shape.width, pool.scratch_row
         token_rows = [row for row, size in zip(rows, sizes) for _ in range(size)] + [scratch] * (np_ - n)
@@ -183,32 +227,11 @@ class CapturedForward:
         logits, hidden = self._forward(shape, index, block)
         return logits[:n], {i: h[:n] for i, h in hidden.items()}
 
-    def _slots(self, width: int) -> int:
-        """W for rows that hold ``width`` slots after this step's tokens: a multiple of `SLOT_BUCKET`, at most the pool's."""
-        return min(self.pool.max_len, -(-width // SLOT_BUCKET) * SLOT_BUCKET)
 
     def _forward(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> Outputs:
         """Replay ``shape``'s graph on these inputs, capture it on its first call, or run eager (no graphs here, or
-        past `most_graphs`). Outputs are the caller's own (a replay's are copied out of the graph's buffers)."""
-        graph = self.graphs.get(shape)
-        if graph is not None:
-            graph.index.copy_(index)
-            graph.block.copy_(block)
-            graph.replay()
-            self.replays += 1
-            return graph.logits.clone(), {i: h.clone() for i, h in graph.hidden.items()}
-        if self.recorder is None or len(self.graphs) >= self.most_graphs:
-            self.eager += 1
-            return self._run(shape, index, block)
-        begun = time.perf_counter()
-        outputs = self.recorder.warm_up(lambda: self._run(shape, index, block))
-        buffers = index.clone(), block.clone()
-        # Capturing records the kernels without running them: the pool's slots keep what the warm-up wrote.
-        replay, (logits, hidden) = self.recorder.capture(lambda: self._run(shape, *buffers))
-        self.graphs[shape] = _Graph(*buffers, replay, logits, hidden)
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - begun
-        return outputs
+        past `most_graphs`). Outputs are the caller's own."""
+        return self.graphs(shape, lambda index, block: self._run(shape, index, block), index, block)
 
     def _run(self, shape: Shape, index: torch.Tensor, block: torch.Tensor) -> Outputs:
         """The forward itself, every shape static: logits (Np, V) and the requested hidden states (Np, H)."""
@@ -253,3 +276,28 @@ class _GridAttention:
         out = model._attend(grid.view(r, t, heads, dim).transpose(1, 2), kv[layer, 0, :, :, : self.seen],
                             kv[layer, 1, :, :, : self.seen], self.mask)  # (R, Hq, T, D)
         return out.transpose(1, 2).reshape(r * t, heads, dim)[self.cells].reshape(1, n, heads * dim)
+
+
+class StaticRows:
+    """Rows 0..B-1 of a `BatchedKVCache` as a static forward writes and reads them (`FastLlama.begin_step`'s and
+    `attention`'s cache): each row's T new slots from its (B,) first one, a tensor on the device, and the first W
+    slots attended, W fixed. The host's bookkeeping (`BatchedKVCache.grow`) is the caller's, outside the graph."""
+
+    def __init__(self, pool: BatchedKVCache, starts: torch.Tensor, width: int) -> None:
+        self.pool, self.starts, self.width, self.max_len = pool, starts, width, pool.max_len
+        self._slots: torch.Tensor | None = None
+
+    def extend(self, batch: int, new: int) -> torch.Tensor:
+        _, _, _, heads, _, dim = self.pool.kv.shape
+        index = self.starts[:, None] + torch.arange(new, device=self.starts.device)  # (B, T)
+        self._slots = index[:, None, :, None].expand(batch, heads, new, dim)
+        return self.starts
+
+    def update(self, layer: int, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, Hkv, T, D) keys/values at each row's new slots; return the rows' first W slots."""
+        return self.pool.write_rows(layer, self._slots, keys, values, self.width)
+
+
+def slot_bucket(width: int, most: int) -> int:
+    """W for rows that hold ``width`` slots: a multiple of `SLOT_BUCKET`, at most ``most``."""
+    return min(most, -(-width // SLOT_BUCKET) * SLOT_BUCKET)

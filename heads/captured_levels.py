@@ -1,0 +1,78 @@
+"""A feature head's chain levels at static shapes, captured once per size as CUDA graphs.
+
+Why: once the target's verification forward replays as one graph (`specgraft.model.captured`), drafting is most of
+a speculative step's launches (EAGLE chain:4 at batch 16 on stories260K: about 270 of 286 counted), and each level of
+a chain is one small forward of the head, its mask, its lm_head and a log-softmax: some 40-80 launches for a few
+microseconds of work each. A level is made static as the target's forward is: the first B rows of the draft pool
+(those the round's requests reach), the first W slots of each (a bucket of `SLOT_BUCKET`), the mask built inside the
+forward from each row's numbers (where its tree starts, how many committed pairs it sees, its new slot). The rows'
+host bookkeeping (`BatchedKVCache.grow`) runs outside the graph, every call.
+
+The roots' forward of a round (each row's catch-up and root, of varying widths) and tree levels run eager.
+
+Shape legend: B pool rows in the round, W slots attended (bucket), H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgraft.model import BatchedKVCache
+from specgraft.model.captured import (
+    MOST_GRAPHS, CudaGraphs, GraphSet, Recomputed, StaticRows, default_recorder, slot_bucket,
+)
+from specgraft.model.fast_llama import DYNAMIC_ROPE, additive
+
+
+class CapturedLevels:
+    """`FeatureRound`'s chain levels over one draft pool, one graph per (B, W).
+
+    Args:
+        head: a feature head (EAGLE, EAGLE-3): its ``draft_step`` and ``draft_logp``, its ``fast()`` forward.
+        pool: the draft rows (`FeatureDrafter.new_rows`); the graphs hold its addresses.
+        recorder, most_graphs: as `GraphSet`'s (default: CUDA graphs on CUDA, eager elsewhere).
+
+    Raises:
+        ValueError: a head whose rope frequencies follow each forward's positions (a captured level reads a table).
+    """
+
+    def __init__(
+        self, head, pool: BatchedKVCache, recorder: CudaGraphs | Recomputed | None = None, most_graphs: int = MOST_GRAPHS,
+    ) -> None:
+        fast = head.fast()
+        if fast.rotary.rope_type in DYNAMIC_ROPE:
+            raise ValueError(f"rope type {fast.rotary.rope_type!r} computes its frequencies from each forward's "
+                             "positions; a captured level reads a fixed table")
+        self.head, self.pool = head, pool
+        device = pool.kv.device
+        self.graphs = GraphSet(default_recorder(device) if recorder is None else recorder, most_graphs)
+        probe = torch.zeros(1, 1, 1, dtype=pool.kv.dtype, device=device)
+        fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=device), pool.max_len)
+        # The table every graph's positions read, held here: a later, larger cache may grow the head's, never this one.
+        self.table = fast._rope_table
+
+    def __call__(
+        self, features: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, held: torch.Tensor,
+        lengths: torch.Tensor, level: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain level ``level`` (2 onwards) for pool rows 0..B-1, as `FeatureRound._level` runs it: (B, 1, H)
+        parent outputs and (B, 1) tokens; (B,) each row's first tree slot, 1 where held, committed pairs ->
+        (B, 1, H) outputs and (B, V) their children's draft log-probs. Each held row takes one slot."""
+        b = features.shape[0]
+        width = slot_bucket(self.pool.grow(b, 1), self.pool.max_len)
+        # (6 B,) the level's numbers: tokens, tree starts and ends, new slots, committed pairs, positions
+        index = torch.cat([tokens.view(b), base, base + (level - 1), base + (level - 2) * held, lengths,
+                           lengths + (level - 2)])
+        return self.graphs((b, width), lambda index, features: self._run(width, index, features), index, features)
+
+    def _run(self, width: int, index: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The level itself, every shape static. A node sees its row's committed pairs and the chain's slots up to its
+        own new one (a row that drafts nothing: its first tree slot; its output is dropped)."""
+        b = features.shape[0]
+        tokens, first, end, slot, lengths, positions = index.view(6, b)
+        columns = torch.arange(width, device=index.device)
+        # (B, W); a row's new slot is the last of its tree's (a row that drafts nothing: its first tree slot)
+        visible = (columns < lengths[:, None]) | ((columns >= first[:, None]) & (columns < end[:, None]))
+        mask = additive(visible[:, None, None], features.dtype)  # (B, 1, 1, W)
+        out = self.head.draft_step(features, tokens[:, None], positions[:, None], mask, StaticRows(self.pool, slot, width))
+        return out, self.head.draft_logp(out[:, 0]).float().log_softmax(-1)
