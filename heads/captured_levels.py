@@ -50,6 +50,8 @@ class CapturedLevels:
         fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=device), pool.max_len)
         # The table every graph's positions read, held here: a later, larger cache may grow the head's, never this one.
         self.table = fast._rope_table
+        # 0, 1, ... past any level a row's slots allow: a level's number as a tensor is a slice, not a copy from the host
+        self.numbers = torch.arange(pool.max_len + 2, device=device)
 
     def __call__(
         self, features: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, held: torch.Tensor,
@@ -60,19 +62,21 @@ class CapturedLevels:
         (B, 1, H) outputs and (B, V) their children's draft log-probs. Each held row takes one slot."""
         b = features.shape[0]
         width = slot_bucket(self.pool.grow(b, 1), self.pool.max_len)
-        # (6 B,) the level's numbers: tokens, tree starts and ends, new slots, committed pairs, positions
-        index = torch.cat([tokens.view(b), base, base + (level - 1), base + (level - 2) * held, lengths,
-                           lengths + (level - 2)])
+        # (4 B + 1,) the level's numbers: tokens, tree starts, held, committed pairs; the level itself
+        index = torch.cat([tokens.view(b), base, held, lengths, self.numbers[level : level + 1]])
         return self.graphs((b, width), lambda index, features: self._run(width, index, features), index, features)
 
     def _run(self, width: int, index: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The level itself, every shape static. A node sees its row's committed pairs and the chain's slots up to its
         own new one (a row that drafts nothing: its first tree slot; its output is dropped)."""
         b = features.shape[0]
-        tokens, first, end, slot, lengths, positions = index.view(6, b)
+        tokens, first, held, lengths = index[: 4 * b].view(4, b)
+        level = index[4 * b :]  # (1,)
+        end, slot, positions = first + level - 1, first + (level - 2) * held, lengths + level - 2  # (B,) each
         columns = torch.arange(width, device=index.device)
         # (B, W); a row's new slot is the last of its tree's (a row that drafts nothing: its first tree slot)
         visible = (columns < lengths[:, None]) | ((columns >= first[:, None]) & (columns < end[:, None]))
         mask = additive(visible[:, None, None], features.dtype)  # (B, 1, 1, W)
         out = self.head.draft_step(features, tokens[:, None], positions[:, None], mask, StaticRows(self.pool, slot, width))
         return out, self.head.draft_logp(out[:, 0]).float().log_softmax(-1)
+

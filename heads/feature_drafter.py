@@ -39,6 +39,7 @@ import torch
 from specgraft.heads.base import DraftRequest, shared_top_k_static
 from specgraft.heads.captured_levels import CapturedLevels
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
+from specgraft.model.captured import bucket
 from specgraft.model.fast_llama import DYNAMIC_ROPE
 from specgraft.model.staging import staged
 from specgraft.tree import (
@@ -383,6 +384,8 @@ class FeatureRound:
         self.head, self.requests, self.rows = head, list(requests), rows
         self.levels = levels if rows is not None else None  # chain levels over ``rows``, captured
         self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
+        if self.levels is not None:  # a power of two of the pool's rows: the levels' graphs serve every batch up to it
+            self.batch = min(rows.rows, bucket(self.batch))
         self.cache = rows if rows is not None else requests[0].state.cache
         self.lengths = self._lengths()  # every row's committed slots, restored by `rollback`
         self.roots: list[torch.Tensor] = []  # each request's (1,) root token on the device

@@ -64,8 +64,8 @@ from specgraft.infer.observer import (
 )
 from specgraft.infer.request import Prompt, Request, new_request
 from specgraft.infer.verify import (
-    Acceptance, AcceptRule, accept, accept_chains, greedy_accept_packed, greedy_accept_tree, root_path, sample_accept,
-    stacked,
+    Acceptance, AcceptRule, accept, accept_chains, greedy_accept_chains, greedy_accept_packed, greedy_accept_tree,
+    root_path, sample_accept, stacked,
 )
 from specgraft.model import TREE_SLOTS, BatchedKVCache, Segment, Target
 from specgraft.tree import (
@@ -1027,6 +1027,8 @@ def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, 
         return Part(choice, handles, 0)
     if len(trees) == 1:
         return Part(greedy_accept_tree(trees[0], choice, width), handles, width)
+    if all(t.num_nodes == width and t.is_chain for t in trees):  # chains of one length (their structure is read)
+        return Part(greedy_accept_chains(tokens.view(-1, width), choice.view(-1, width)), handles, width)
     parents, depth = (torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])) if len(trees) > 1 else (
         trees[0].parents, trees[0].depth)
     return Part(greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width)

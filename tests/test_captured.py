@@ -207,19 +207,19 @@ def test_the_environment_turns_capture_on_where_load_target_is_not_told(stories,
 def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_eagle, dev_prompts, monkeypatch, options):
     """EAGLE chains whose levels replay captured graphs (emulated here: a replay computes again from the graph's own
     buffers) draft every step what levels run eager draft, so each request gets the same tokens: requests of unequal
-    lengths through 3 rows, so later ones draft in rows out of order beside rows that draft nothing, chains of
+    lengths through 5 rows, so later ones draft in rows out of order beside rows that draft nothing, chains of
     several depths, the same target (captured) under both."""
     from specgraft.heads.captured_levels import CapturedLevels
     from specgraft.heads.feature_drafter import FeatureDrafter
     from specgraft.infer import StepObserver
 
     target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
-    prompts = [target.encode(p) for p in dev_prompts[30:36]]
-    budgets, depths = [30, 7, 22, 12, 26, 9], [4, 2, 3, 4, 1, 3]
+    prompts = [target.encode(p) for p in dev_prompts[30:39]]
+    budgets, depths = [30, 7, 22, 12, 26, 9, 17, 5, 21], [4, 2, 3, 4, 1, 3, 2, 4, 3]
 
     def run(captured: bool):
         eagle = sg.load_drafter(trained_eagle, target)
-        sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=3)
+        sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=5)
         if captured:
             eagle.captured = CapturedLevels(eagle.head, sched.draft_pools["eagle"], recorder=Recomputed())
         drafts = Drafts()
@@ -245,6 +245,49 @@ def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_ea
     assert sum(len(tokens) > 3 for step in drafted for _, tokens in step) > 10  # chains deeper than two levels
     graphs = levels.graphs
     assert graphs.captures == len(graphs) > 0 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
+
+
+def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_pads_as_they_were(
+    stories, trained_eagle, dev_prompts, monkeypatch
+):
+    """Rows 0 and 2 draft chains while rows 1 and 3 are held by generations that do not draft now: the captured round
+    runs 4 rows (rows 1 and 3 pad), drafts what the eager round of 3 rows drafts, and leaves every other row's length
+    and committed keys and values as they were."""
+    from specgraft.heads.base import DraftRequest
+    from specgraft.heads.captured_levels import CapturedLevels
+    from specgraft.heads.feature_drafter import FeatureDrafter, FeatureRound
+
+    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    prompts = [torch.tensor(target.encode(p)) for p in dev_prompts[10:14]]
+    batches = []
+    original = FeatureRound.chains
+    monkeypatch.setattr(FeatureRound, "chains", lambda round_: batches.append(round_.batch) or original(round_))
+
+    def drafted(captured: bool):
+        eagle = sg.load_drafter(trained_eagle, target)
+        pool = eagle.new_rows(5, 256)
+        if captured:
+            eagle.captured = CapturedLevels(eagle.head, pool, recorder=Recomputed())
+        requests = {}
+        for row, ids in enumerate(prompts[:4]):
+            out = target.forward(ids[None], target.new_cache(), torch.arange(len(ids))[None], hidden_layers=eagle.hidden_layers)
+            state = eagle.start(ids, {i: h[0] for i, h in out.hidden.items()}, cache=pool.acquire(row)[1])
+            requests[row] = DraftRequest(state, int(out.logits[0, -1].argmax()), sg.Chain(3), 3, None, row)
+        eagle.propose_batch([requests[0], requests[2], requests[1], requests[3]], pool)  # every row drafts once
+        before = pool.kv.clone(), pool.lengths(5)
+        if not captured:
+            monkeypatch.setattr(FeatureDrafter, "levels", lambda self, rows: None)
+        trees = eagle.propose_batch([requests[0], requests[2]], pool)
+        monkeypatch.undo() if not captured else None
+        return [t.tokens.tolist() for t in trees], before, pool
+
+    want, _, _ = drafted(False)
+    monkeypatch.setattr(FeatureRound, "chains", lambda round_: batches.append(round_.batch) or original(round_))
+    got, (kv, lengths), pool = drafted(True)
+    assert got == want and batches[-1] == 4 and batches[1] == 3  # captured: padded to 4 rows; eager: 3
+    assert pool.lengths(5) == lengths
+    for row in (1, 3):  # (layers, 2, rows, Hkv, slots, D)
+        assert torch.equal(pool.kv[:, :, row, :, : lengths[row]], kv[:, :, row, :, : lengths[row]])
 
 
 def test_a_drafter_captures_its_levels_where_its_target_captures(stories, trained_eagle):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specgraft.heads.prompt_lookup import PromptLookup
-from specgraft.infer.verify import greedy_accept, greedy_accept_packed, greedy_accept_tree
+from specgraft.infer.verify import greedy_accept, greedy_accept_chains, greedy_accept_packed, greedy_accept_tree
 from specgraft.tree import ROOT_PARENT, Tree
 
 VOCAB = 10
@@ -65,6 +65,18 @@ def test_packed_greedy_acceptance_equals_each_tree_alone(cases, extra_width):
         assert row[2 : 2 + count] == alone.path.tolist()
         assert row[1] == alone.next_token
         assert row[2 + width : 2 + width + count] == tree.tokens[alone.path].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(2, 6), st.data())
+def test_chains_of_one_length_accept_as_packed_trees_do(rows, n, data):
+    """`greedy_accept_chains` (the step's form for chains of one length) gives `greedy_accept_packed`'s rows."""
+    tokens = torch.tensor(data.draw(st.lists(st.integers(0, 2), min_size=rows * n, max_size=rows * n))).view(rows, n)
+    choice = torch.tensor(data.draw(st.lists(st.integers(0, 2), min_size=rows * n, max_size=rows * n))).view(rows, n)
+    chain = make_tree([ROOT_PARENT, *range(n - 1)], [0] * n)
+    packed = greedy_accept_packed(tokens.flatten(), chain.parents.repeat(rows), chain.depth.repeat(rows), choice.flatten(),
+                                  rows, n)
+    assert torch.equal(greedy_accept_chains(tokens, choice), packed)
 
 
 def test_accepts_a_whole_chain_and_adds_the_bonus_token():
