@@ -1,16 +1,19 @@
-"""A feature head's chain levels at static shapes, captured once per size as CUDA graphs.
+"""A feature head's draft forwards at static shapes, captured once per size as CUDA graphs: a round's roots' forward
+and its chain levels.
 
 Why: once the target's verification forward replays as one graph (`specgraft.model.captured`), drafting is most of
 a speculative step's launches (EAGLE chain:4 at batch 16 on stories260K: about 270 of 286 counted), and each level of
 a chain is one small forward of the head, its mask, its lm_head and a log-softmax: some 40-80 launches for a few
-microseconds of work each. A level is made static as the target's forward is: the first B rows of the draft pool
-(those the round's requests reach), the first W slots of each (a bucket of `SLOT_BUCKET`), the mask built inside the
-forward from each row's numbers (where its tree starts, how many committed pairs it sees, its new slot). The rows'
-host bookkeeping (`BatchedKVCache.grow`) runs outside the graph, every call.
+microseconds of work each, and so is a round's first forward (each row's catch-up pairs and its root). Both are
+made static as the target's forward is: the first B rows of the draft pool (a power of two, `FeatureRound` pads its
+rows to it), the first W slots of each (a bucket of `SLOT_BUCKET`), the mask built inside the forward from each
+row's numbers (its first new slot, how many committed pairs it sees, where its tree starts). The rows' host
+bookkeeping (`BatchedKVCache.grow`) runs outside the graph, every call. A roots' forward is captured for each width
+T of its widest catch-up (a few: the deepest chain's accepted tokens, plus one).
 
-The roots' forward of a round (each row's catch-up and root, of varying widths) and tree levels run eager.
+Tree levels (dynamic and static trees) run eager.
 
-Shape legend: B pool rows in the round, W slots attended (bucket), H hidden, V vocabulary.
+Shape legend: B pool rows in the round, T pairs a row, W slots attended (bucket), H hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from specgraft.model.fast_llama import DYNAMIC_ROPE, additive
 
 
 class CapturedLevels:
-    """`FeatureRound`'s chain levels over one draft pool, one graph per (B, W).
+    """`FeatureRound`'s roots' forward and chain levels over one draft pool, one graph per (B, W) and per (B, T, W).
 
     Args:
         head: a feature head (EAGLE, EAGLE-3): its ``draft_step`` and ``draft_logp``, its ``fast()`` forward.
@@ -65,6 +68,34 @@ class CapturedLevels:
         # (4 B + 1,) the level's numbers: tokens, tree starts, held, committed pairs; the level itself
         index = torch.cat([tokens.view(b), base, held, lengths, self.numbers[level : level + 1]])
         return self.graphs((b, width), lambda index, features: self._run(width, index, features), index, features)
+
+    def roots(
+        self, features: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's first forward for pool rows 0..B-1, as `FeatureRound._run_roots` runs it: (B, T, H) features and
+        (B, T) tokens of each row's pairs (padded); (B,) each row's first new slot, committed pairs and its root
+        pair's cell in the (B * T) grid -> (B, H) each root's output and (B, V) its children's draft log-probs. Each
+        held row takes T slots."""
+        b, t = tokens.shape
+        width = slot_bucket(self.pool.grow(b, t), self.pool.max_len)
+        index = torch.cat([starts, lengths, ends])  # (3 B,)
+        return self.graphs(("roots", b, t, width), lambda index, features, tokens: self._roots(width, index, features, tokens),
+                           index, features, tokens)
+
+    def _roots(self, width: int, index: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The roots' forward itself, every shape static: pair j of a row sits at its first new slot + j (its
+        position too) and sees the row's committed pairs and its pairs up to it; padding sees its own slot only."""
+        b, t = tokens.shape
+        starts, lengths, ends = index.view(3, b)
+        new = torch.arange(t, device=index.device)
+        slots = starts[:, None] + new  # (B, T)
+        columns = torch.arange(width, device=index.device)
+        count = (lengths - starts).clamp(min=0)  # (B,) a row's pairs (none where it drafts nothing)
+        visible = ((columns <= slots[:, :, None]) & (new < count[:, None])[:, :, None]) | (columns == slots[:, :, None])
+        mask = additive(visible[:, None], features.dtype)  # (B, 1, T, W)
+        out = self.head.draft_step(features, tokens, slots, mask, StaticRows(self.pool, starts, width))  # (B, T, H)
+        last = out.reshape(b * t, out.shape[-1])[ends]  # (B, H)
+        return last, self.head.draft_logp(last).float().log_softmax(-1)
 
     def _run(self, width: int, index: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The level itself, every shape static. A node sees its row's committed pairs and the chain's slots up to its

@@ -410,16 +410,20 @@ class FeatureRound:
         sizes = [r.state.length - self.lengths[r.row] for r in self.requests]  # each row's pairs: catch-up and root
         width = max(sizes)
         places = [r.row * width + j for r, n in zip(self.requests, sizes) for j in range(n)]  # in the (B * T) grid
-        *self.meta, self.max_depths, places = staged(
+        ends = [0] * self.batch  # each row's root pair in that grid (a row without a request: the first cell)
+        for r, n in zip(self.requests, sizes):
+            ends[r.row] = r.row * width + n - 1
+        *self.meta, self.max_depths, places, ends = staged(
             self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],
-            [r.max_depth for r in self.requests], places)
+            [r.max_depth for r in self.requests], places, ends)
         self.meta = tuple(self.meta)
-        self._run_roots(sizes, places)
+        self._run_roots(sizes, places, ends)
 
-    def _run_roots(self, sizes: list[int], places: torch.Tensor) -> None:
+    def _run_roots(self, sizes: list[int], places: torch.Tensor, ends: torch.Tensor) -> None:
         """Every request's catch-up pairs and root in one forward over the batched cache, every row's pairs placed by
         the indices staged with the round's metadata (no work a row): pair j of a row sits at its next slot j,
-        position start + j, and sees the cache and the row's pairs up to it; padding sees its own slot only."""
+        position start + j, and sees the cache and the row's pairs up to it; padding sees its own slot only. Over a
+        captured pool's rows the forward replays its graph (`CapturedLevels.roots`)."""
         starts, held, lengths, _ = self.meta
         states, width = [r.state for r in self.requests], max(sizes)
         for request in self.requests:
@@ -429,6 +433,12 @@ class FeatureRound:
         b, hidden, device = self.batch, features.shape[-1], features.device
         grid_features = features.new_zeros(b * width, hidden).index_copy_(0, places, features).view(b, width, hidden)
         grid_tokens = tokens.new_zeros(b * width).index_copy_(0, places, tokens).view(b, width)  # padding: token 0
+        if self.levels is not None:
+            last, logp = self.levels.roots(grid_features, grid_tokens, starts, lengths, ends)  # (B, H), (B, V)
+            for i, (request, n) in enumerate(zip(self.requests, sizes)):  # as `_record` keeps a root's forward
+                self.outputs[i][0], self.logp[i][0] = last[request.row], logp[request.row]
+                self.slots[i][0] = self.lengths[request.row] + n - 1
+            return
         new = torch.arange(width, device=device)
         slots = starts[:, None] + new  # (B, T) each pair's slot, its position too
         columns = torch.arange(max(self.lengths) + width, device=device)
