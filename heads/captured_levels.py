@@ -79,10 +79,12 @@ class CapturedLevels:
         b, t = tokens.shape
         width = slot_bucket(self.pool.grow(b, t), self.pool.max_len)
         index = torch.cat([starts, lengths, ends])  # (3 B,)
-        return self.graphs(("roots", b, t, width), lambda index, features, tokens: self._roots(width, index, features, tokens),
-                           index, features, tokens)
+        run = lambda index, features, tokens: self._roots(width, index, features, tokens)  # noqa: E731
+        return self.graphs(("roots", b, t, width), run, index, features, tokens)
 
-    def _roots(self, width: int, index: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _roots(
+        self, width: int, index: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The roots' forward itself, every shape static: pair j of a row sits at its first new slot + j (its
         position too) and sees the row's committed pairs and its pairs up to it; padding sees its own slot only."""
         b, t = tokens.shape

@@ -64,14 +64,14 @@ class FeatureDrafter:
         self.hidden_layers = head.hidden_layers
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS
-        self.target = target  # whose ``capture`` says whether chain levels over a pool's rows are captured
+        self.target = target  # whose ``capture`` says whether draft forwards over a pool's rows are captured
         self.captured: CapturedLevels | None = None  # the last pool's (its graphs hold that pool's addresses)
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_draft_rows(rows, max_len)
 
     def levels(self, rows: BatchedKVCache | None) -> CapturedLevels | None:
-        """The captured chain levels over ``rows`` where the target captures (None: levels run eager)."""
+        """The captured roots' forwards and chain levels over ``rows`` where the target captures (None: eager)."""
         if rows is None or not self.target.capture or getattr(self.head.fast().rotary, "rope_type", None) in DYNAMIC_ROPE:
             return None
         if self.captured is None or self.captured.pool is not rows or self.captured.head is not self.head:
@@ -382,7 +382,7 @@ class FeatureRound:
         if rows is None and len(requests) != 1:
             raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
         self.head, self.requests, self.rows = head, list(requests), rows
-        self.levels = levels if rows is not None else None  # chain levels over ``rows``, captured
+        self.levels = levels if rows is not None else None  # the roots' forward and chain levels over ``rows``, captured
         self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
         if self.levels is not None:  # a power of two of the pool's rows: the levels' graphs serve every batch up to it
             self.batch = min(rows.rows, bucket(self.batch))

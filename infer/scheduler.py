@@ -536,7 +536,8 @@ class Scheduler:
         self.counters.prefill_forwards += 1
         try:
             out = self.target.forward_packed(
-                torch.cat([r.prompt_ids for r in group]), self.pool, [Segment(r.row, n) for r, n in zip(group, sizes)], layers,
+                torch.cat([r.prompt_ids for r in group]), self.pool, [Segment(r.row, n) for r, n in zip(group, sizes)],
+                layers,
                 logits_at=torch.tensor(list(itertools.accumulate(sizes)), device=device) - 1,
             )
         except Exception:
@@ -810,9 +811,9 @@ class Scheduler:
         """The accepted paths of every row that can be decided on the device together, read back in one copy: greedy
         rows without banned ids (`greedy_accept_packed`, every tree shape), sampled chains under the exact rule
         (`accept_chains`, those of one length and filter setting together), and the other rows verifying their root
-        alone (their next tokens chosen together under each filter setting, each drawn with its row's RNG). Each row's next token stays on the device too, for its next root-only tree (see
-        `Tree.root_only`). The other rows (sampled trees, banned ids, a lossy rule) accept in their own commits;
-        so do all, if this fails."""
+        alone (their next tokens chosen together under each filter setting, each drawn with its row's RNG). Each
+        row's next token stays on the device too, for its next root-only tree (see `Tree.root_only`). The other rows
+        (sampled trees, banned ids, a lossy rule) accept in their own commits; so do all, if this fails."""
         greedy = [r for r in rows if r.sampling.greedy and not r.sampling.banned_token_ids]
         wanted = {r.handle for r in greedy}  # the rows decided here, by handle
         roots = [r for r in rows if trees[r.handle].num_nodes == 1 and r.handle not in wanted]
@@ -1029,8 +1030,7 @@ def _greedy_part(tokens: torch.Tensor, trees: list[Tree], choice: torch.Tensor, 
         return Part(greedy_accept_tree(trees[0], choice, width), handles, width)
     if all(t.num_nodes == width and t.is_chain for t in trees):  # chains of one length (their structure is read)
         return Part(greedy_accept_chains(tokens.view(-1, width), choice.view(-1, width)), handles, width)
-    parents, depth = (torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])) if len(trees) > 1 else (
-        trees[0].parents, trees[0].depth)
+    parents, depth = torch.cat([t.parents for t in trees]), torch.cat([t.depth for t in trees])
     return Part(greedy_accept_packed(tokens, parents, depth, choice, len(trees), width), handles, width)
 
 

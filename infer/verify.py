@@ -253,7 +253,7 @@ def sample_accept_chains(
         (G, 2 + 2 * width) int64, a chain a row: the path's length K, the next token, the path's K nodes (0..K-1)
         and tokens, padded.
     """
-    g, n = tokens.shape
+    n = tokens.shape[1]
     if q is None:
         draws = stacked([s.draw(row)[:, 0] for s, row in zip(samplings, p)])  # (G, N) one draw from each node's p
         kept = (draws[:, :-1] == tokens[:, 1:]).long().cumprod(1).sum(1)  # (G,)
