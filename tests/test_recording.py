@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specgraft as sg
-from conftest import STORIES
+from conftest import STORIES, needs_shared
 from specgraft.infer import Tokens
 from specgraft.train.data import collate
 from specgraft.train.recording import Recording, TrafficRecorder
@@ -332,6 +332,7 @@ def test_specgraft_train_fine_tunes_a_head_on_a_recording_running_the_target_onl
     assert "simulated_tau" in best
 
 
+@needs_shared  # the config names stories260K, whose directory is checked before the recordings
 def test_a_config_may_train_on_recordings_alone_and_a_missing_one_is_named(tmp_path):
     from specgraft.config import check_files, load_config
 
