@@ -22,9 +22,9 @@ import torch
 
 from specgraft.model import BatchedKVCache
 from specgraft.model.captured import (
-    MOST_GRAPHS, CudaGraphs, GraphSet, Recomputed, StaticRows, default_recorder, slot_bucket,
+    MOST_GRAPHS, CudaGraphs, GraphSet, Recomputed, StaticRows, default_recorder, held_rope_table, slot_bucket,
 )
-from specgraft.model.fast_llama import DYNAMIC_ROPE, additive
+from specgraft.model.fast_llama import additive
 
 
 class CapturedLevels:
@@ -42,17 +42,10 @@ class CapturedLevels:
     def __init__(
         self, head, pool: BatchedKVCache, recorder: CudaGraphs | Recomputed | None = None, most_graphs: int = MOST_GRAPHS,
     ) -> None:
-        fast = head.fast()
-        if fast.rotary.rope_type in DYNAMIC_ROPE:
-            raise ValueError(f"rope type {fast.rotary.rope_type!r} computes its frequencies from each forward's "
-                             "positions; a captured level reads a fixed table")
+        self.table = held_rope_table(head.fast(), pool, "a captured level")  # what every graph's positions read
         self.head, self.pool = head, pool
         device = pool.kv.device
         self.graphs = GraphSet(default_recorder(device) if recorder is None else recorder, most_graphs)
-        probe = torch.zeros(1, 1, 1, dtype=pool.kv.dtype, device=device)
-        fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=device), pool.max_len)
-        # The table every graph's positions read, held here: a later, larger cache may grow the head's, never this one.
-        self.table = fast._rope_table
         # 0, 1, ... past any level a row's slots allow: a level's number as a tensor is a slice, not a copy from the host
         self.numbers = torch.arange(pool.max_len + 2, device=device)
 

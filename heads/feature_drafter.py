@@ -410,8 +410,8 @@ class FeatureRound:
         sizes = [r.state.length - self.lengths[r.row] for r in self.requests]  # each row's pairs: catch-up and root
         width = max(sizes)
         places = [r.row * width + j for r, n in zip(self.requests, sizes) for j in range(n)]  # in the (B * T) grid
-        ends = [0] * self.batch  # each row's root pair in that grid (a row without a request: the first cell)
-        for r, n in zip(self.requests, sizes):
+        ends = [0] * self.batch if self.levels is not None else []  # each row's root pair in that grid, for a
+        for r, n in zip(self.requests, sizes if ends else ()):  # captured forward (a row without a request: cell 0)
             ends[r.row] = r.row * width + n - 1
         *self.meta, self.max_depths, places, ends = staged(
             self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],

@@ -104,42 +104,46 @@ def greedy_accept_packed(
     return torch.cat([(kept + 1)[:, None], choice[best][:, None], path - start[:, None], tokens[path]], dim=1)
 
 
-def greedy_accept_chains(tokens: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+def greedy_accept_chains(tokens: torch.Tensor, choice: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """`greedy_accept_packed` for R chains of N nodes each, in a dozen launches (pointer jumping and walks are a tree's
     work): each keeps its first nodes while they match the target's choice at the node before.
 
     Args:
         tokens, choice: (R, N) each chain's tokens, root first, and the target's argmax at each of its nodes.
+        width: at least N (default N): the rows' padding.
 
     Returns:
-        (R, 2 + 2 * N) int64, `greedy_accept_packed`'s rows at width N.
+        (R, 2 + 2 * width) int64, `greedy_accept_packed`'s rows.
     """
     kept = (tokens[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)  # (R,) matching drafts before the first miss
-    path = torch.minimum(torch.arange(tokens.shape[1], device=tokens.device), kept[:, None])  # (R, N)
-    return torch.cat([(kept + 1)[:, None], choice.gather(1, kept[:, None]), path, tokens.gather(1, path)], 1)
+    return _chain_rows(kept, choice, tokens, tokens.shape[1] if width is None else width)
+
+
+def _chain_rows(kept: torch.Tensor, nexts: torch.Tensor, tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """(R, 2 + 2 * width) rows of chains that keep their first ``kept`` (R,) drafts: the path's length K, the token
+    after it (``nexts`` (R, N): the one each node would give), the path's nodes 0..K-1 and tokens, padded."""
+    path = torch.minimum(torch.arange(width, device=tokens.device), kept[:, None])  # 0..K-1, then K-1 repeated
+    return torch.cat([(kept + 1)[:, None], nexts.gather(1, kept[:, None]), path, tokens.gather(1, path)], 1)
 
 
 def greedy_accept_tree(tree: Tree, choice: torch.Tensor, width: int) -> torch.Tensor:
     """`greedy_accept_packed` for one tree, in fewer launches (a lone row's step pays each on a small model): a chain
-    keeps its first nodes while they match; a tree reads its ancestor mask.
+    is `greedy_accept_chains`' one row; a tree reads its ancestor mask.
 
     Returns:
         (2 + 2 * width,) int64, a row of `greedy_accept_packed`'s result.
     """
     n, tokens = tree.num_nodes, tree.tokens
-    index = torch.arange(width, device=tokens.device)
     if tree.is_chain:
-        kept = (tokens[1:] == choice[:-1]).long().cumprod(0).sum()  # matching drafts before the first miss
-        path = torch.minimum(index, kept)
-    else:
-        match = torch.cat([torch.ones(1, dtype=torch.bool, device=tokens.device), tokens[1:] == choice[tree.parents[1:]]])
-        ancestors = tree.ancestor_mask()
-        alive = ~(ancestors & ~match).any(dim=1)  # every node on its path matches
-        nodes = torch.arange(n, device=tokens.device)
-        best = torch.where(alive, tree.depth * n + (n - 1 - nodes), -1).argmax()[None]  # deepest, first among equals
-        kept = tree.depth[best][0]  # (indexed by a (1,) tensor: a 0-d index would be read on the host)
-        on_path = torch.where(ancestors[best][0], nodes, n).sort().values  # the path's nodes first, root first
-        path = on_path[torch.minimum(index, kept)]
+        return greedy_accept_chains(tokens[None], choice[None], width)[0]
+    match = torch.cat([torch.ones(1, dtype=torch.bool, device=tokens.device), tokens[1:] == choice[tree.parents[1:]]])
+    ancestors = tree.ancestor_mask()
+    alive = ~(ancestors & ~match).any(dim=1)  # every node on its path matches
+    nodes = torch.arange(n, device=tokens.device)
+    best = torch.where(alive, tree.depth * n + (n - 1 - nodes), -1).argmax()[None]  # deepest, first among equals
+    kept = tree.depth[best][0]  # (indexed by a (1,) tensor: a 0-d index would be read on the host)
+    on_path = torch.where(ancestors[best][0], nodes, n).sort().values  # the path's nodes first, root first
+    path = on_path[torch.minimum(torch.arange(width, device=tokens.device), kept)]
     last = path.gather(0, kept[None])  # (1,) the path's last node: the target's choice there comes next
     return torch.cat([(kept + 1)[None], choice[last], path, tokens[path]])
 
@@ -267,8 +271,7 @@ def sample_accept_chains(
         fallback = torch.where(mass > EMPTY_RESIDUAL, residual / mass.clamp(min=EMPTY_RESIDUAL), p[:, :-1])
         laws = torch.cat([fallback, p[:, -1:]], 1)  # (G, N, V): level i's correction, then the bonus
         draws = stacked([s.draw(row)[:, 0] for s, row in zip(samplings, laws)])  # (G, N)
-    path = torch.minimum(torch.arange(width, device=p.device), kept[:, None])  # 0..K-1, then K-1 repeated (K = kept + 1)
-    return torch.cat([(kept + 1)[:, None], draws.gather(1, kept[:, None]), path, tokens.gather(1, path)], 1)
+    return _chain_rows(kept, draws, tokens, width)
 
 
 def _multi_round(tree: Tree, kids: list[int], p_cur: torch.Tensor, sampling: Sampling) -> tuple[int | None, int | None]:

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from test_engine_api import hf_generate
-from test_scheduler import BRANCHING_TREE, Driver, ROW_FILTERS, ROW_TEMPERATURES, SAMPLING_LENGTH, enumerated, with_random_head
+from test_scheduler import (
+    BRANCHING_TREE, ROW_FILTERS, ROW_TEMPERATURES, SAMPLING_LENGTH, Driver, Told, enumerated, with_random_head,
+)
 
 import specgraft as sg
+from specgraft.infer import Drafted
 from specgraft.model import Segment
 from specgraft.model.captured import SLOT_BUCKET, CapturedForward, Recomputed, Shape, bucket, slot_bucket
 
@@ -204,16 +207,15 @@ def test_the_environment_turns_capture_on_where_load_target_is_not_told(stories,
 
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
-def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_eagle, dev_prompts, monkeypatch, options):
+def test_captured_chain_levels_draft_what_eager_levels_draft(captured, trained_eagle, dev_prompts, monkeypatch, options):
     """EAGLE chains whose levels replay captured graphs (emulated here: a replay computes again from the graph's own
     buffers) draft every step what levels run eager draft, so each request gets the same tokens: requests of unequal
     lengths through 5 rows, so later ones draft in rows out of order beside rows that draft nothing, chains of
     several depths, the same target (captured) under both."""
     from specgraft.heads.captured_levels import CapturedLevels
     from specgraft.heads.feature_drafter import FeatureDrafter
-    from specgraft.infer import StepObserver
 
-    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    target = captured
     prompts = [target.encode(p) for p in dev_prompts[30:39]]
     budgets, depths = [30, 7, 22, 12, 26, 9, 17, 5, 21], [4, 2, 3, 4, 1, 3, 2, 4, 3]
 
@@ -222,20 +224,14 @@ def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_ea
         sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=5)
         if captured:
             eagle.captured = CapturedLevels(eagle.head, sched.draft_pools["eagle"], recorder=Recomputed())
-        drafts = Drafts()
-        sched.add_observer(drafts)
+        told = Told()
+        sched.add_observer(told)
         driver = Driver(sched)
         handles = [sched.submit(p, n, drafter="eagle", tree=sg.Chain(d), eos_token_id=(), seed=k, **options)
                    for k, (p, n, d) in enumerate(zip(prompts, budgets, depths))]
         driver.run(*handles)
-        return [driver.result(h).token_ids for h in handles], drafts.trees, eagle.captured
-
-    class Drafts(StepObserver):
-        def __init__(self):
-            self.trees = []  # each step's drafted chains: (handle, tokens), in row order
-
-        def drafted(self, step):
-            self.trees.append([(h, tree.tokens.tolist()) for h, tree in step.trees.items()])
+        drafted = [[(h, tree.tokens.tolist()) for h, tree in r.trees.items()] for r in told.records if isinstance(r, Drafted)]
+        return [driver.result(h).token_ids for h in handles], drafted, eagle.captured
 
     with monkeypatch.context() as eager:
         eager.setattr(FeatureDrafter, "levels", lambda self, rows: None)
@@ -248,7 +244,7 @@ def test_captured_chain_levels_draft_what_eager_levels_draft(stories, trained_ea
 
 
 def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_pads_as_they_were(
-    stories, trained_eagle, dev_prompts, monkeypatch
+    captured, trained_eagle, dev_prompts, monkeypatch
 ):
     """Rows 0 and 2 draft chains while rows 1 and 3 are held by generations that do not draft now: the captured round
     runs 4 rows (rows 1 and 3 pad), drafts what the eager round of 3 rows drafts, and leaves every other row's length
@@ -257,7 +253,7 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
     from specgraft.heads.captured_levels import CapturedLevels
     from specgraft.heads.feature_drafter import FeatureDrafter, FeatureRound
 
-    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    target = captured
     prompts = [torch.tensor(target.encode(p)) for p in dev_prompts[10:14]]
     batches = []
     original = FeatureRound.chains
@@ -290,14 +286,14 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
         assert torch.equal(pool.kv[:, :, row, :, : lengths[row]], kv[:, :, row, :, : lengths[row]])
 
 
-def test_a_drafter_captures_its_levels_where_its_target_captures(stories, trained_eagle):
+def test_a_drafter_captures_its_levels_where_its_target_captures(captured, trained_eagle):
     """Levels over a pool's rows are captured when the target is (eager off CUDA), one set per pool and head; none
     for a lone row's own cache, an uncaptured target, or a rope whose frequencies follow the positions."""
     from conftest import uncaptured
 
     from specgraft.heads.captured_levels import CapturedLevels
 
-    target = sg.Target(stories.model, stories.tokenizer, "stories260K-captured", capture=True)
+    target = captured
     eagle = sg.load_drafter(trained_eagle, target)
     pool = eagle.new_rows(2, 64)
     levels = eagle.levels(pool)

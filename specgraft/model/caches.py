@@ -255,10 +255,14 @@ class BatchedKVCache:
         if start is None:
             start = torch.tensor(starts, device=self.kv.device)
         self._width = max(starts) + new
-        _, _, _, heads, _, dim = self.kv.shape
-        index = start[:, None] + torch.arange(new, device=self.kv.device)  # (B, T) slot of each new token
-        self._slots = index[:, None, :, None].expand(batch, heads, new, dim)
+        self._slots = self.slot_index(start, new)
         return start
+
+    def slot_index(self, starts: torch.Tensor, new: int) -> torch.Tensor:
+        """(B, Hkv, T, D) scatter index of ``new`` tokens a row from each row's (B,) first slot (`write_rows`)."""
+        _, _, _, heads, _, dim = self.kv.shape
+        index = starts[:, None] + torch.arange(new, device=starts.device)  # (B, T) slot of each new token
+        return index[:, None, :, None].expand(starts.shape[0], heads, new, dim)
 
     def grow(self, batch: int, new: int) -> int:
         """`extend`'s bookkeeping alone: rows 0..batch-1 held ``new`` more slots each; returns the longest row's length

@@ -43,6 +43,22 @@ def default_recorder(device: torch.device) -> CudaGraphs | None:
     return CudaGraphs(device) if device.type == "cuda" else None
 
 
+def held_rope_table(fast: FastLlama, pool: BatchedKVCache, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast``'s RoPE table over every slot of ``pool``, in its dtype, for a captured forward to hold: a later, larger
+    cache may grow the model's table, never the one a graph reads.
+
+    Raises:
+        ValueError: a rope type whose frequencies follow each forward's positions (naming ``what`` refuses it).
+    """
+    if fast.rotary.rope_type in DYNAMIC_ROPE:
+        raise ValueError(f"rope type {fast.rotary.rope_type!r} computes its frequencies from each forward's "
+                         f"positions; {what} reads a fixed table")
+    device = pool.kv.device
+    fast._rope(torch.zeros(1, 1, 1, dtype=pool.kv.dtype, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
+               pool.max_len)
+    return fast._rope_table
+
+
 def bucket(n: int) -> int:
     """The next power of two at or above ``n`` (token counts and a row's queries)."""
     return 1 << max(0, n - 1).bit_length()
@@ -183,15 +199,9 @@ class CapturedForward:
         if pool.scratch_row is None:
             raise ValueError("a captured forward needs a pool with a scratch row (BatchedKVCache(scratch=True)): "
                              "padding tokens write their keys/values there")
-        if fast.rotary.rope_type in DYNAMIC_ROPE:
-            raise ValueError(f"rope type {fast.rotary.rope_type!r} computes its frequencies from each forward's "
-                             "positions; a captured forward reads a fixed table")
         self.fast, self.pool, self.most_graphs = fast, pool, most_graphs
         self.device = pool.kv.device
-        probe = torch.zeros(1, 1, fast.embed.shape[1], dtype=pool.kv.dtype, device=self.device)
-        fast._rope(probe, torch.zeros(1, 1, dtype=torch.long, device=self.device), pool.max_len)
-        # The table every position reads, held here: a later, larger cache may grow the model's, never this one.
-        self.cos, self.sin = fast._rope_table  # (P, D) each, P >= the pool's slots
+        self.cos, self.sin = held_rope_table(fast, pool, "a captured forward")  # (P, D) each, P >= the pool's slots
         self.graphs = GraphSet(default_recorder(self.device) if recorder is None else recorder, most_graphs)
 
     def stats(self) -> dict[str, int | float]:
@@ -288,9 +298,7 @@ class StaticRows:
         self._slots: torch.Tensor | None = None
 
     def extend(self, batch: int, new: int) -> torch.Tensor:
-        _, _, _, heads, _, dim = self.pool.kv.shape
-        index = self.starts[:, None] + torch.arange(new, device=self.starts.device)  # (B, T)
-        self._slots = index[:, None, :, None].expand(batch, heads, new, dim)
+        self._slots = self.pool.slot_index(self.starts, new)
         return self.starts
 
     def update(self, layer: int, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

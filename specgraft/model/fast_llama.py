@@ -211,13 +211,15 @@ class PackedAttention:
             # The packed order already is the padded one (every row of the span, in turn, all of one size): no moves.
             in_place = column == list(range(column[0], column[0] + (hi - lo) * widest)) and grid == list(range(len(grid)))
             alone = len(runs) == 1  # the forward's only call: it holds every token
-            fill, order = [column[0]] * ((hi - lo) * widest), [0] * len(column)
-            for cell, token in zip(grid, column):
-                fill[cell] = token
-                if alone:
-                    order[token] = cell
-            fills.append([] if in_place else fill)
-            orders.append(order if alone and not in_place else [])
+            fill, order = [], []
+            if not in_place:  # each grid cell's token (padding: the span's first), and each token's cell
+                fill, order = [column[0]] * ((hi - lo) * widest), [0] * len(column) if alone else []
+                for cell, token in zip(grid, column):
+                    fill[cell] = token
+                    if alone:
+                        order[token] = cell
+            fills.append(fill)
+            orders.append(order)
             grids.append([] if in_place or alone else grid)
             columns.append([] if in_place or alone else column)
             shapes.append((lo, hi, widest, width, base, column[0], in_place, alone))
