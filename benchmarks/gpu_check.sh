@@ -13,7 +13,7 @@
 # SmolLM2's weights (a 98 MB GGUF) are more than one such call carries (64 MiB), so the bench's target is SmolLM2's
 # architecture with seeded random weights in bf16: a step's cost and counts are SmolLM2's, its acceptance is not
 # (an untrained EAGLE-3 head of the recipe's shape and prompt lookup draft beside it). The bench runs twice, eager
-# and with --capture (the verification forward replayed as CUDA graphs); each writes its own results.
+# and with --capture (the verification forward and the head's draft forwards replayed as CUDA graphs); each writes its own results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -71,7 +71,7 @@ EOF
     for mode in eager capture; do
         local flag=""; [ "$mode" = capture ] && flag=--capture
         timeout 150 "$PY" -m specgraft.cli bench --target "$out/target" --device cuda --dtype bfloat16 $flag \
-            --method "$out/eagle3" chain:3 --method prompt-lookup chain:4 --batch-size 1,8,32 \
+            --method "$out/eagle3" chain:3 --method "$out/eagle3" dynamic:4,4,12 --method prompt-lookup chain:4 --batch-size 1,8,32 \
             --prompts "$HERE/shared/data/mt_bench_question.jsonl" --limit 32 --max-new-tokens 32 --rounds 1 \
             --out "$out/bench-$mode" --json > "$out/bench-$mode.json" 2> "$out/bench-$mode.log" || true
         echo "== bench, $mode"; tail -n 30 "$out/bench-$mode.log"

@@ -37,9 +37,8 @@ from typing import Sequence
 import torch
 
 from specgraft.heads.base import DraftRequest, shared_top_k_static
-from specgraft.heads.captured_levels import CapturedLevels
+from specgraft.heads.draft_levels import DraftLevels
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
-from specgraft.model.captured import bucket
 from specgraft.model.fast_llama import DYNAMIC_ROPE
 from specgraft.model.staging import staged
 from specgraft.tree import (
@@ -65,18 +64,21 @@ class FeatureDrafter:
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS
         self.target = target  # whose ``capture`` says whether draft forwards over a pool's rows are captured
-        self.captured: CapturedLevels | None = None  # the last pool's (its graphs hold that pool's addresses)
+        self.pool_levels: DraftLevels | None = None  # the last pool's (a static form's graphs hold its addresses)
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_draft_rows(rows, max_len)
 
-    def levels(self, rows: BatchedKVCache | None) -> CapturedLevels | None:
-        """The captured roots' forwards and chain levels over ``rows`` where the target captures (None: eager)."""
-        if rows is None or not self.target.capture or getattr(self.head.fast().rotary, "rope_type", None) in DYNAMIC_ROPE:
+    def levels(self, rows: BatchedKVCache | None) -> DraftLevels | None:
+        """The roots' forwards and tree levels over ``rows`` (None: a lone row's own cache), static and captured
+        where the target captures (not for a rope whose frequencies follow the positions), eager elsewhere."""
+        if rows is None:
             return None
-        if self.captured is None or self.captured.pool is not rows or self.captured.head is not self.head:
-            self.captured = CapturedLevels(self.head, rows)
-        return self.captured
+        static = self.target.capture and getattr(self.head.fast().rotary, "rope_type", None) not in DYNAMIC_ROPE
+        kept = self.pool_levels
+        if kept is None or kept.pool is not rows or kept.head is not self.head or kept.static != static:
+            self.pool_levels = DraftLevels(self.head, rows, static=static)
+        return self.pool_levels
 
     def draft_slots(self, policy: TreePolicy) -> int | None:
         """The root's pair and a slot per node of every level's frontier: 1 + (depth - 1) x the widest frontier
@@ -377,15 +379,16 @@ class FeatureRound:
     """
 
     def __init__(
-        self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None, levels: CapturedLevels | None = None,
+        self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None, levels: DraftLevels | None = None,
     ) -> None:
         if rows is None and len(requests) != 1:
             raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
         self.head, self.requests, self.rows = head, list(requests), rows
-        self.levels = levels if rows is not None else None  # the roots' forward and chain levels over ``rows``, captured
-        self.batch = 1 if rows is None else max(r.row for r in requests) + 1  # rows 0..batch-1 run; others pad
-        if self.levels is not None:  # a power of two of the pool's rows: the levels' graphs serve every batch up to it
-            self.batch = min(rows.rows, bucket(self.batch))
+        # The roots' forward and the tree levels over ``rows`` (eager, or static and captured)
+        self.levels = None if rows is None else levels if levels is not None else DraftLevels(head, rows)
+        # Rows 0..batch-1 run, those without a request padding (static: a power of two of them, the graphs serving
+        # every batch up to it)
+        self.batch = 1 if rows is None else self.levels.batch(max(r.row for r in requests) + 1)
         self.cache = rows if rows is not None else requests[0].state.cache
         self.lengths = self._lengths()  # every row's committed slots, restored by `rollback`
         self.roots: list[torch.Tensor] = []  # each request's (1,) root token on the device
@@ -410,8 +413,8 @@ class FeatureRound:
         sizes = [r.state.length - self.lengths[r.row] for r in self.requests]  # each row's pairs: catch-up and root
         width = max(sizes)
         places = [r.row * width + j for r, n in zip(self.requests, sizes) for j in range(n)]  # in the (B * T) grid
-        ends = [0] * self.batch if self.levels is not None else []  # each row's root pair in that grid, for a
-        for r, n in zip(self.requests, sizes if ends else ()):  # captured forward (a row without a request: cell 0)
+        ends = [0] * self.batch  # each row's root pair in that grid (a row without a request: cell 0)
+        for r, n in zip(self.requests, sizes):
             ends[r.row] = r.row * width + n - 1
         *self.meta, self.max_depths, places, ends = staged(
             self.rows.kv.device, self.lengths, held, lengths, [r.row for r in self.requests],
@@ -422,35 +425,21 @@ class FeatureRound:
     def _run_roots(self, sizes: list[int], places: torch.Tensor, ends: torch.Tensor) -> None:
         """Every request's catch-up pairs and root in one forward over the batched cache, every row's pairs placed by
         the indices staged with the round's metadata (no work a row): pair j of a row sits at its next slot j,
-        position start + j, and sees the cache and the row's pairs up to it; padding sees its own slot only. Over a
-        captured pool's rows the forward replays its graph (`CapturedLevels.roots`)."""
+        position start + j, and sees the cache and the row's pairs up to it; padding sees its own slot only
+        (`DraftLevels.roots`, which replays a graph over a captured pool's rows)."""
         starts, held, lengths, _ = self.meta
         states, width = [r.state for r in self.requests], max(sizes)
         for request in self.requests:
             root = request.root_tensor
             self.roots.append(torch.tensor([request.root_token], device=places.device) if root is None else root)
         features, tokens = fold_together(states, self.roots, self.head)  # (sum n, H), (sum n,)
-        b, hidden, device = self.batch, features.shape[-1], features.device
+        b, hidden = self.batch, features.shape[-1]
         grid_features = features.new_zeros(b * width, hidden).index_copy_(0, places, features).view(b, width, hidden)
         grid_tokens = tokens.new_zeros(b * width).index_copy_(0, places, tokens).view(b, width)  # padding: token 0
-        if self.levels is not None:
-            last, logp = self.levels.roots(grid_features, grid_tokens, starts, lengths, ends)  # (B, H), (B, V)
-            for i, (request, n) in enumerate(zip(self.requests, sizes)):  # as `_record` keeps a root's forward
-                self.outputs[i][0], self.logp[i][0] = last[request.row], logp[request.row]
-                self.slots[i][0] = self.lengths[request.row] + n - 1
-            return
-        new = torch.arange(width, device=device)
-        slots = starts[:, None] + new  # (B, T) each pair's slot, its position too
-        columns = torch.arange(max(self.lengths) + width, device=device)
-        count = (lengths - starts).clamp(min=0)  # (B,) a row's pairs (none where it drafts nothing)
-        visible = ((columns <= slots[:, :, None]) & (new < count[:, None])[:, :, None]) | (columns == slots[:, :, None])
-        mask = torch.zeros(visible.shape, dtype=features.dtype, device=device)
-        mask = mask.masked_fill(~visible, torch.finfo(features.dtype).min)[:, None]  # (B, 1, T, W) additive
-        self.cache.stage_starts(starts)
-        out = self.head.draft_step(grid_features, grid_tokens, slots, mask, self.cache)  # (B, T, H)
-        split = tokens.split(sizes)
-        pairs = {i: _Pairs([0], None, split[i], None, None, None, True) for i in range(len(self.requests))}
-        self._record(pairs, self.lengths, out)
+        last, logp = self.levels.roots(grid_features, grid_tokens, starts, lengths, ends)  # (B, H), (B, V)
+        for i, (request, n) in enumerate(zip(self.requests, sizes)):  # as `_record` keeps a root's forward
+            self.outputs[i][0], self.logp[i][0] = last[request.row], logp[request.row]
+            self.slots[i][0] = self.lengths[request.row] + n - 1
 
     def chains(self) -> list[Tree]:
         """Every request's `Chain` after `run_roots`: `grow_chains` picks each level's tokens on the device and
@@ -510,12 +499,9 @@ class FeatureRound:
     def _level(self, state: dict, tokens: torch.Tensor, came_from: torch.Tensor | None) -> torch.Tensor:
         """One level of every request's tree (a dynamic tree's, or a chain's: a frontier of one): (R, k) frontier
         tokens, each with its parent's place in the last frontier (None: the root) -> (R, k, V) their children's draft
-        log-probs (their (R, k, H) outputs go to ``state``). A chain's level over a captured pool's rows replays its
-        graph (`CapturedLevels`).
-
-        Frontier node j at level l (its depth l - 1 in the tree's nodes run so far) sits at slot
-        base + (l - 2) * k + j, at position length + l - 2, and sees its state's committed pairs and the root
-        (slots [0, length)), the slots of its ancestors among the frontiers run before, and its own."""
+        log-probs (their (R, k, H) outputs go to ``state``). Over a batched cache the level runs in `DraftLevels.level`
+        (which replays a graph over a captured pool's rows): here each node's parent output and the tree slots it
+        sees (its ancestors' among the frontiers run before, and its own), rows without a request padding."""
         b, k = self.batch, tokens.shape[1]
         level = state["level"]  # the level whose children this forward scores: its frontier is at depth level - 1
         if self.rows is None:  # one chain over its own cache, its pairs contiguous: causal, no mask
@@ -549,29 +535,9 @@ class FeatureRound:
                 tree_seen = pad.index_copy(0, rows, tree_seen)
             features = features.new_zeros(b, k, features.shape[-1]).index_copy(0, rows, features)
             tokens = tokens.new_zeros(b, k).index_copy(0, rows, tokens)
-        if chain and self.levels is not None:
-            out, logp = self.levels(features, tokens, self._base, held, lengths, level)  # (B, 1, H), (B, V)
-            state["outputs"] = out if in_order else out.index_select(0, rows)
-            return (logp if in_order else logp.index_select(0, rows))[:, None]
-        slot = self._base + (level - 2) * k * held  # (B,) each row's first new slot: its length now
-        width = max(self._lengths()) + k
-        columns = torch.arange(width, device=tokens.device)
-        offset = columns[None] - self._base[:, None]  # (B, W) each column's place among the tree slots
-        inside = (offset >= 0) & (offset < (level - 1) * k)
-        if chain:  # every tree slot so far, its own included (a row that drafts nothing sees its own, or none before)
-            tree_part = inside[:, None]
-        else:
-            tree_part = tree_seen.gather(2, offset.clamp(0, tree_seen.shape[2] - 1)[:, None].expand(-1, k, -1))
-        own_slot = columns[None, None] == (slot[:, None] + torch.arange(k, device=tokens.device))[:, :, None]
-        visible = (columns[None, None] < lengths[:, None, None]) | (tree_part & inside[:, None]) | own_slot
-        mask = torch.zeros(b, 1, k, width, dtype=features.dtype, device=tokens.device)
-        mask = mask.masked_fill(~visible[:, None], torch.finfo(features.dtype).min)
-        positions = (lengths + level - 2)[:, None].expand(-1, k)
-        self.cache.stage_starts(slot)
-        out = self.head.draft_step(features, tokens, positions, mask, self.cache)  # (B, k, H)
-        out = out if in_order else out.index_select(0, rows)
-        state["outputs"] = out
-        return self.head.draft_logp(out).float().log_softmax(-1)
+        out, logp = self.levels.level(features, tokens, self._base, held, lengths, level, tree_seen)  # (B, k, H), (B, k, V)
+        state["outputs"] = out if in_order else out.index_select(0, rows)
+        return logp if in_order else logp.index_select(0, rows)
 
     def step(self, asked: list[tuple[int, Tree, torch.Tensor]]) -> list[torch.Tensor]:
         """`grow_together`'s step: one forward for every asked request's new frontier nodes."""

@@ -206,39 +206,56 @@ def test_the_environment_turns_capture_on_where_load_target_is_not_told(stories,
         sg.load_target(STORIES)
 
 
-@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
-def test_captured_chain_levels_draft_what_eager_levels_draft(captured, trained_eagle, dev_prompts, monkeypatch, options):
-    """EAGLE chains whose levels replay captured graphs (emulated here: a replay computes again from the graph's own
-    buffers) draft every step what levels run eager draft, so each request gets the same tokens: requests of unequal
-    lengths through 5 rows, so later ones draft in rows out of order beside rows that draft nothing, chains of
-    several depths, the same target (captured) under both."""
-    from specgraft.heads.captured_levels import CapturedLevels
+def eager_levels(monkeypatch) -> None:
+    """Feature drafters' forwards over a pool's rows at their exact shapes, eager, even beside a captured target."""
+    from specgraft.heads.draft_levels import DraftLevels
     from specgraft.heads.feature_drafter import FeatureDrafter
+
+    monkeypatch.setattr(FeatureDrafter, "levels", lambda self, rows: None if rows is None else DraftLevels(self.head, rows))
+
+
+TREES = {  # each request's tree, by its index: chains of several depths, or a tree of levels of several nodes
+    "chains": lambda k: sg.Chain([4, 2, 3, 4, 1, 3, 2, 4, 3][k]),
+    "dynamic": lambda k: sg.DynamicTree(top_k=3, depth=4, budget=8),
+    "static": lambda k: sg.StaticTree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+}
+
+
+@pytest.mark.parametrize("trees", TREES)
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
+def test_captured_draft_levels_draft_what_eager_levels_draft(captured, trained_eagle, dev_prompts, monkeypatch, options, trees):
+    """EAGLE trees whose levels replay captured graphs (emulated here: a replay computes again from the graph's own
+    buffers) draft every step what levels run eager at their exact shapes draft, so each request gets the same
+    tokens: requests of unequal lengths through 5 rows, so later ones draft in rows out of order beside rows that
+    draft nothing; chains of several depths, and dynamic and static trees (several nodes a level, each seeing its
+    own ancestors), the same target (captured) under both."""
+    from specgraft.heads.draft_levels import DraftLevels
 
     target = captured
     prompts = [target.encode(p) for p in dev_prompts[30:39]]
-    budgets, depths = [30, 7, 22, 12, 26, 9, 17, 5, 21], [4, 2, 3, 4, 1, 3, 2, 4, 3]
+    budgets = [30, 7, 22, 12, 26, 9, 17, 5, 21]
 
     def run(captured: bool):
         eagle = sg.load_drafter(trained_eagle, target)
         sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=5)
         if captured:
-            eagle.captured = CapturedLevels(eagle.head, sched.draft_pools["eagle"], recorder=Recomputed())
+            eagle.pool_levels = DraftLevels(eagle.head, sched.draft_pools["eagle"], static=True, recorder=Recomputed())
         told = Told()
         sched.add_observer(told)
         driver = Driver(sched)
-        handles = [sched.submit(p, n, drafter="eagle", tree=sg.Chain(d), eos_token_id=(), seed=k, **options)
-                   for k, (p, n, d) in enumerate(zip(prompts, budgets, depths))]
+        handles = [sched.submit(p, n, drafter="eagle", tree=TREES[trees](k), eos_token_id=(), seed=k, **options)
+                   for k, (p, n) in enumerate(zip(prompts, budgets))]
         driver.run(*handles)
-        drafted = [[(h, tree.tokens.tolist()) for h, tree in r.trees.items()] for r in told.records if isinstance(r, Drafted)]
-        return [driver.result(h).token_ids for h in handles], drafted, eagle.captured
+        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
+                   for r in told.records if isinstance(r, Drafted)]
+        return [driver.result(h).token_ids for h in handles], drafted, eagle.pool_levels
 
     with monkeypatch.context() as eager:
-        eager.setattr(FeatureDrafter, "levels", lambda self, rows: None)
+        eager_levels(eager)
         want, want_drafted, _ = run(False)
     got, drafted, levels = run(True)
     assert got == want and drafted == want_drafted
-    assert sum(len(tokens) > 3 for step in drafted for _, tokens in step) > 10  # chains deeper than two levels
+    assert sum(len(tokens) > 3 for step in drafted for _, tokens, _ in step) > 10  # trees deeper than two levels
     graphs = levels.graphs
     assert graphs.captures == len(graphs) > 0 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
 
@@ -250,8 +267,8 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
     runs 4 rows (rows 1 and 3 pad), drafts what the eager round of 3 rows drafts, and leaves every other row's length
     and committed keys and values as they were."""
     from specgraft.heads.base import DraftRequest
-    from specgraft.heads.captured_levels import CapturedLevels
-    from specgraft.heads.feature_drafter import FeatureDrafter, FeatureRound
+    from specgraft.heads.draft_levels import DraftLevels
+    from specgraft.heads.feature_drafter import FeatureRound
 
     target = captured
     prompts = [torch.tensor(target.encode(p)) for p in dev_prompts[10:14]]
@@ -263,7 +280,7 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
         eagle = sg.load_drafter(trained_eagle, target)
         pool = eagle.new_rows(5, 256)
         if captured:
-            eagle.captured = CapturedLevels(eagle.head, pool, recorder=Recomputed())
+            eagle.pool_levels = DraftLevels(eagle.head, pool, static=True, recorder=Recomputed())
         requests = {}
         for row, ids in enumerate(prompts[:4]):
             out = target.forward(ids[None], target.new_cache(), torch.arange(len(ids))[None], hidden_layers=eagle.hidden_layers)
@@ -272,7 +289,7 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
         eagle.propose_batch([requests[0], requests[2], requests[1], requests[3]], pool)  # every row drafts once
         before = pool.kv.clone(), pool.lengths(5)
         if not captured:
-            monkeypatch.setattr(FeatureDrafter, "levels", lambda self, rows: None)
+            eager_levels(monkeypatch)
         trees = eagle.propose_batch([requests[0], requests[2]], pool)
         monkeypatch.undo() if not captured else None
         return [t.tokens.tolist() for t in trees], before, pool
@@ -287,21 +304,25 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
 
 
 def test_a_drafter_captures_its_levels_where_its_target_captures(captured, trained_eagle):
-    """Levels over a pool's rows are captured when the target is (eager off CUDA), one set per pool and head; none
-    for a lone row's own cache, an uncaptured target, or a rope whose frequencies follow the positions."""
+    """Levels over a pool's rows are static and captured when the target is (eager off CUDA), one set per pool and
+    head; none for a lone row's own cache; eager at exact shapes for an uncaptured target or a rope whose
+    frequencies follow the positions."""
     from conftest import uncaptured
 
-    from specgraft.heads.captured_levels import CapturedLevels
+    from specgraft.heads.draft_levels import DraftLevels
 
     target = captured
     eagle = sg.load_drafter(trained_eagle, target)
     pool = eagle.new_rows(2, 64)
     levels = eagle.levels(pool)
-    assert levels.graphs.recorder is None and eagle.levels(pool) is levels and eagle.levels(None) is None
+    assert levels.static and levels.graphs.recorder is None and eagle.levels(pool) is levels
+    assert eagle.levels(None) is None and levels.batch(3) == 2 and DraftLevels(eagle.head, pool).batch(1) == 1
+    assert eagle.levels(eagle.new_rows(4, 64)).batch(3) == 4  # a power of two of the rows, at most the pool's
     assert eagle.levels(eagle.new_rows(2, 64)) is not levels  # another pool: graphs of its own
-    assert sg.load_drafter(trained_eagle, uncaptured(target)).levels(pool) is None
+    eager = sg.load_drafter(trained_eagle, uncaptured(target)).levels(pool)
+    assert not eager.static and eager.graphs is None
     rotary = eagle.head.fast().rotary
     rotary.rope_type = "dynamic"  # (this drafter's own head, loaded for this test)
-    assert eagle.levels(eagle.new_rows(2, 64)) is None
+    assert not eagle.levels(eagle.new_rows(2, 64)).static
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
-        CapturedLevels(eagle.head, pool)
+        DraftLevels(eagle.head, pool, static=True)

@@ -218,16 +218,14 @@ def test_a_captured_target_on_cuda_replays_its_graphs_and_equals_hf_greedy(train
         assert out.token_ids == hf_greedy(target, ids, n)
     captured = target.captured.graphs
     assert captured.captures > 0 and captured.eager == 0 and len(captured) == captured.captures
-    levels = eagle.captured.graphs if type(policy) is sg.Chain else None  # a chain's levels replay graphs of their own
-    if levels is not None:
-        assert levels.captures > 0 and levels.eager == 0
-        level_captures = levels.captures
+    levels = eagle.pool_levels.graphs  # the draft forwards (roots', chain and tree levels) replay graphs of their own
+    assert levels.captures > 0 and levels.eager == 0
+    level_captures = levels.captures
     captures, replays = captured.captures, captured.replays
     again = gen.generate_batch(prompts, max_new_tokens=budgets, eos_token_id=())  # the same steps: every shape replays
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
     assert captured.captures == captures and captured.replays > replays + 4 and captured.eager == 0
-    if levels is not None:
-        assert levels.captures == level_captures and levels.replays > level_captures
+    assert levels.captures == level_captures and levels.replays > level_captures
     lone = gen.generate(prompts[3], max_new_tokens=48, eos_token_id=())
     assert lone.token_ids == hf_greedy(target, prompts[3], 48)
     assert_syncs(target, CHAIN_SYNCS, {"eagle": eagle}, drafter="eagle", tree=policy)

@@ -207,7 +207,6 @@ class BatchedKVCache:
         # row per request, and splitting a row's layers anew cost 10 us of a 17 us acquire (stories260K's head).
         self._row_views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None] = [None] * rows
         self._slots: torch.Tensor | None = None  # (B, Hkv, T, D) write index of the forward in progress
-        self._staged_starts: torch.Tensor | None = None  # the next extend's starts, where a caller staged them
         self._width = 0  # slots the forward in progress attends over: max start + T
 
     @property
@@ -251,9 +250,7 @@ class BatchedKVCache:
         """Give rows 0..batch-1 ``new`` more slots each, after their own lengths; returns each row's first (B,)."""
         starts = self.lengths(batch)
         self.grow(batch, new)
-        start, self._staged_starts = self._staged_starts, None
-        if start is None:
-            start = torch.tensor(starts, device=self.kv.device)
+        start = torch.tensor(starts, device=self.kv.device)
         self._width = max(starts) + new
         self._slots = self.slot_index(start, new)
         return start
@@ -278,11 +275,6 @@ class BatchedKVCache:
             if view is not None:
                 view.extend(1, new)
         return longest + new
-
-    def stage_starts(self, starts: torch.Tensor) -> None:
-        """The next `extend`'s (B,) row starts, on the device already: the caller staged them with its other
-        metadata, and that extend copies no list. They must be the rows' lengths then (a free row's: 0)."""
-        self._staged_starts = starts
 
     def update(self, layer: int, start: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, Hkv, T, D) keys/values at each row's slots from `extend`; return slots [0, max start + T) of rows 0..B-1."""
