@@ -7,8 +7,9 @@
 A CUDA graph replays the target's whole verification forward in one launch; what else a step launches (drafting,
 acceptance, the copies into and out of the graph's buffers) still counts on a GPU. Here the replay is emulated: a
 recorder whose replay computes the forward again from the graph's own buffers with the counter switched off, so the
-counts are a captured step's, less its one replay. A feature head's roots' forward and tree levels over the pool's rows
-replay their own graphs (`specgraft.heads.draft_levels`), emulated the same way. Prints kernels / syncs a step
+counts are a captured step's, less its one replay. A feature head's roots' forward and tree levels over the pool's rows,
+and a DFlash head's blocks, replay their own graphs (`specgraft.heads.draft_levels`, `specgraft.heads.dflash`),
+emulated the same way. Prints kernels / syncs a step
 (`specgraft.tools.step_counts`) for plain decoding and each tree, at batch 1 and 16, captured and packed (the
 default), and how many steps replayed the target's forward and how many levels replayed.
 """
@@ -21,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import specgraft as sg
+from specgraft.heads.dflash import DFlashBlocks
 from specgraft.heads.draft_levels import DraftLevels
 from specgraft.model.captured import CapturedForward, Recomputed
 from specgraft.tools.step_counts import count_steps
@@ -37,6 +39,9 @@ def counts(target, drafter, tree: str | None, batch: int, captured: bool) -> tup
         if hasattr(drafter, "levels"):  # a feature head: its forwards over the pool's rows
             levels = drafter.pool_levels = DraftLevels(drafter.head, sched.draft_pools["d"], static=True,
                                                        recorder=Recomputed(around=_disable_current_modes))
+        elif hasattr(drafter, "blocks"):  # DFlash: its blocks over the pool's rows
+            levels = drafter.pool_blocks = DFlashBlocks(drafter.head, sched.draft_pools["d"],
+                                                        recorder=Recomputed(around=_disable_current_modes))
     for k in range(batch):
         sched.submit(f"Once upon a time {k} the cat sat on the mat and the cat", max_new_tokens=200, eos_token_id=(),
                      drafter="d" if drafter is not None else "none", tree=sg.parse_tree_spec(tree) if tree else None)

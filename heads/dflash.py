@@ -48,6 +48,8 @@ from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth, root_t
 from specgraft.heads.configs import DFlashConfig
 from specgraft.heads.eagle import layer_config
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target, rms_norm
+from specgraft.model.captured import MOST_GRAPHS, CudaGraphs, GraphSet, Recomputed, bucket, default_recorder, slot_bucket
+from specgraft.model.fast_llama import DYNAMIC_ROPE
 from specgraft.model.staging import staged
 from specgraft.tree import Sampling, Tree, TreePolicy
 
@@ -330,9 +332,21 @@ class DFlashDrafter:
         self.hidden_layers = head.hidden_layers
         self.device = target.device
         self.max_len = target.max_context + TREE_SLOTS
+        self.target = target  # whose ``capture`` says whether the blocks over a pool's rows are captured
+        self.pool_blocks: DFlashBlocks | None = None  # the last pool's (its graphs hold that pool's addresses)
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_rows(rows, max_len)
+
+    def blocks(self, rows: BatchedKVCache | None) -> DFlashBlocks | None:
+        """The blocks over ``rows`` at static shapes, captured, where the target captures (None: eager, at the round's
+        own shapes; always for a lone row's own cache or a rope whose frequencies follow the positions)."""
+        if rows is None or not self.target.capture or self.head.rotary.rope_type in DYNAMIC_ROPE:
+            return None
+        kept = self.pool_blocks
+        if kept is None or kept.pool is not rows or kept.head is not self.head:
+            self.pool_blocks = DFlashBlocks(self.head, rows)
+        return self.pool_blocks
 
     def draft_slots(self, policy: TreePolicy) -> int:
         """0: a row's cache holds the context of its committed tokens alone, each row's catch-up written into its own
@@ -359,23 +373,22 @@ class DFlashDrafter:
         large vocabulary (SmolLM2's 49K rows a slot)."""
         head = self.head
         depth = min(head.block_size - 1, max(min(r.max_depth, r.policy.max_depth) for r in requests))
-        states = [r.state for r in requests]
-        lengths, lengths_at = self._catch_up(states)  # context positions: the root sits at position `length`
-        k_size, device = head.block_size, self.device
-        blocks = torch.full((len(states), k_size), head.config.mask_token_id, dtype=torch.long, device=device)
-        blocks[:, 0] = root_tokens(requests, device)
-        x = head.embed(blocks)[:, None]  # (B, 1, K, H): one block a row
-        positions = lengths_at[:, None] + torch.arange(k_size, device=device)
-        cos, sin = head.rope(x[:, 0], positions)
+        states, captured = [r.state for r in requests], self.blocks(rows)
+        order = None if rows is None else [r.row for r in requests]  # each request's pool row
+        if captured is not None:  # every pool row up to a power of two, in row order; rows without a request pad
+            batch = captured.batch(max(order) + 1)
+            lengths, by_row, rows_at = self._catch_up(states, rows, order, batch)
+            self._hold_blocks(states)
+            roots = root_tokens(requests, self.device)
+            if order != list(range(batch)):
+                roots = roots.new_zeros(batch).index_copy_(0, rows_at, roots)
+            logp = captured(roots, by_row, max(lengths), depth)  # (B, D, V)
+            return logp if order == list(range(batch)) else logp.index_select(0, rows_at)
+        lengths, lengths_at, _ = self._catch_up(states, rows, order)  # the root sits at context position `length`
+        self._hold_blocks(states)
         width = max(lengths)
         context = [self._context(states, requests, rows, layer, width) for layer in range(len(head.layers))]
-        sees = None
-        if min(lengths) != width:  # padded: a row sees its own context positions
-            sees = (torch.arange(width, device=device) < lengths_at[:, None])[:, None]
-        out = head.run_block(x, cos[:, None], sin[:, None], context, sees)[:, 0]  # (B, K, H)
-        for state in states:
-            state.peak = len(state.cache) + k_size  # the block's keys and values, held for the forward
-        return head.logits(out[:, 1 : depth + 1]).float().log_softmax(-1)  # slot k drafts depth k
+        return block_logp(head, root_tokens(requests, self.device), lengths_at, context, depth, min(lengths) != width)
 
     def adopt(self, other: DFlashDrafter) -> None:
         """Draft with ``other``'s head from now on: a new version of this one's (same config, so the same block, mask
@@ -397,20 +410,39 @@ class DFlashDrafter:
         check_new_version(self.head, other.head)
         self.head = other.head
 
-    def _catch_up(self, states: list[DFlashDraftState]) -> tuple[list[int], torch.Tensor]:
-        """Project the committed states no cache holds yet into every layer's context keys and values; the rows'
-        context lengths after it, as a list and as a (B,) tensor staged in the same copy as the catch-up's
-        positions."""
-        waiting = [(s, s.pending) for s in states if s.pending]
-        for s, _ in waiting:
-            s.pending = []
+    def _hold_blocks(self, states: list[DFlashDraftState]) -> None:
+        for state in states:
+            state.peak = len(state.cache) + self.head.block_size  # the block's keys and values, held for the forward
+
+    def _catch_up(
+        self, states: list[DFlashDraftState], pool: BatchedKVCache | None = None, rows: list[int] | None = None,
+        batch: int = 0,
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """Project the committed states no cache holds yet into every layer's context keys and values: over a pool
+        (the states' caches its ``rows``), every row's in one write a layer; else the one state's own cache.
+
+        Returns the states' context lengths after it, as a list and as a tensor staged in the same copy as the
+        catch-up's positions: (R,), or with ``batch``, (batch,) by pool row (0: a row without a state) and the (R,)
+        rows beside it (else None).
+        """
+        waiting = [(i, s.pending) for i, s in enumerate(states) if s.pending]
+        for i, _ in waiting:
+            states[i].pending = []
         sizes = [sum(h[self.hidden_layers[0]].shape[0] for h in parts) for _, parts in waiting]
-        starts = [s.cache.extend(1, n) for (s, _), n in zip(waiting, sizes)]  # context position j sits in slot j
+        starts = [states[i].cache.extend(1, n) for (i, _), n in zip(waiting, sizes)]  # context position j: slot j
         lengths = [len(s.cache) for s in states]
-        positions, lengths_at = staged(self.device, [j for start, n in zip(starts, sizes) for j in range(start, start + n)],
-                                       lengths)
+        at = lengths
+        if batch:
+            at = [0] * batch
+            for row, length in zip(rows, lengths):
+                at[row] = length
+        token_rows = [rows[i] for (i, _), n in zip(waiting, sizes) for _ in range(n)] if pool is not None else []
+        positions, lengths_at, token_rows, rows_at = staged(
+            self.device, [j for start, n in zip(starts, sizes) for j in range(start, start + n)], at, token_rows,
+            rows if batch else [])
+        rows_at = rows_at if batch else None
         if not waiting:
-            return lengths, lengths_at
+            return lengths, lengths_at, rows_at
         head = self.head
         # Every row's waiting commits joined in one copy a layer (not a join a row, then one of the rows).
         joined = {i: torch.cat([h[i] for _, parts in waiting for h in parts]).to(self.device) for i in self.hidden_layers}
@@ -418,11 +450,11 @@ class DFlashDrafter:
         cos, sin = head.rope(context, positions[None])
         for layer in range(len(head.layers)):
             keys, values = head.context_kv(layer, context, cos, sin)  # (1, Hkv, N, D)
-            offset = 0
-            for (state, _), n, start in zip(waiting, sizes, starts):
-                state.cache.update(layer, start, keys[:, :, offset : offset + n], values[:, :, offset : offset + n])
-                offset += n
-        return lengths, lengths_at
+            if pool is not None:  # position j of a row sits at its slot j
+                pool.write_packed(layer, token_rows, positions, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+            else:
+                states[waiting[0][0]].cache.update(layer, starts[0], keys, values)
+        return lengths, lengths_at, rows_at
 
     @staticmethod
     def _context(states, requests, rows: BatchedKVCache | None, layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,6 +467,61 @@ class DFlashDrafter:
             return kv[0], kv[1]
         index = torch.tensor(index, device=rows.kv.device)
         return rows.kv[layer, 0, :, :, :width].index_select(0, index), rows.kv[layer, 1, :, :, :width].index_select(0, index)
+
+
+def block_logp(
+    head: DFlashHead, roots: torch.Tensor, lengths: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
+    depth: int, padded: bool,
+) -> torch.Tensor:
+    """(B,) root tokens, each row's (B,) context length and every layer's (B, Hkv, W, D) context keys and values ->
+    (B, depth, V) draft log-probs of slots 1..depth of each row's block (the root, then mask tokens, at positions
+    length, length + 1, ...). ``padded``: rows hold fewer than W positions, so each sees only its own."""
+    k_size, device = head.block_size, roots.device
+    blocks = torch.full((roots.shape[0], k_size), head.config.mask_token_id, dtype=torch.long, device=device)
+    blocks[:, 0] = roots
+    x = head.embed(blocks)[:, None]  # (B, 1, K, H): one block a row
+    cos, sin = head.rope(x[:, 0], lengths[:, None] + torch.arange(k_size, device=device))
+    sees = (torch.arange(context[0][0].shape[2], device=device) < lengths[:, None])[:, None] if padded else None
+    out = head.run_block(x, cos[:, None], sin[:, None], context, sees)[:, 0]  # (B, K, H)
+    return head.logits(out[:, 1 : depth + 1]).float().log_softmax(-1)  # slot k drafts depth k
+
+
+class DFlashBlocks:
+    """`block_logp` over a draft pool's first B rows and W context slots, at static shapes: B a power of two (a
+    round pads its rows to it), W a bucket of `SLOT_BUCKET`; one graph per (B, W, depth), captured on its first
+    call where a recorder captures (CUDA graphs on CUDA). Why: once the target's forward replays as one graph, a
+    DFlash step's block (its embedding, every layer, the lm_head over the drafted slots) is most of what it
+    launches; the catch-up, whose size varies with what each row committed, stays eager.
+
+    Raises:
+        ValueError: a rope whose frequencies follow each forward's positions.
+    """
+
+    def __init__(
+        self, head: DFlashHead, pool: BatchedKVCache, recorder: CudaGraphs | Recomputed | None = None,
+        most_graphs: int = MOST_GRAPHS,
+    ) -> None:
+        if head.rotary.rope_type in DYNAMIC_ROPE:
+            raise ValueError(f"rope type {head.rotary.rope_type!r} computes its frequencies from each forward's "
+                             "positions; a captured block runs at fixed shapes")
+        self.head, self.pool = head, pool
+        self.graphs = GraphSet(default_recorder(pool.kv.device) if recorder is None else recorder, most_graphs)
+
+    def batch(self, rows: int) -> int:
+        """The pool rows a round over rows 0..rows-1 runs: a power of two of them, at most the pool's."""
+        return min(self.pool.rows, bucket(rows))
+
+    def __call__(self, roots: torch.Tensor, lengths: torch.Tensor, longest: int, depth: int) -> torch.Tensor:
+        """(B,) each pool row's root and context length (0: a row that pads), the longest -> (B, depth, V)."""
+        b, width = roots.shape[0], slot_bucket(longest, self.pool.max_len)
+        kv = self.pool.kv
+
+        def run(index: torch.Tensor) -> torch.Tensor:
+            roots, lengths = index.view(2, b)
+            context = [(kv[layer, 0, :b, :, :width], kv[layer, 1, :b, :, :width]) for layer in range(kv.shape[0])]
+            return block_logp(self.head, roots, lengths, context, depth, padded=True)
+
+        return self.graphs((b, width, depth), run, torch.cat([roots, lengths]))
 
 
 class DFlashDraftState:

@@ -224,6 +224,22 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def trained_dflash(stories):
+    """A DFlash head for stories260K fitted for seconds to 16 greedy stories: it drafts their continuations well
+    (and other text poorly), so both accepted and rejected drafts are exercised. Returns (drafter, the stories)."""
+    from toy_train import fit, greedy_examples
+
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import DFlashConfig
+
+    torch.manual_seed(0)
+    head = build_head(DFlashConfig(block_size=6, num_anchors=24, target_layer_ids=[0, 2, 3]), stories)
+    examples = greedy_examples(stories, 16, 64)
+    fit(head, stories, examples, steps=150, lr=1e-2)
+    return as_drafter(head, stories), [e["input_ids"] for e in examples]
+
+
+@pytest.fixture(scope="session")
 def trained_eagle(stories, tmp_path_factory):
     """A tiny EAGLE head for stories260K, trained for seconds on the target's own greedy text (a real, if small,
     self-distilled head: it drafts well, tau ~4 on a chain of 4), saved as a head directory."""

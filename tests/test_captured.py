@@ -303,6 +303,58 @@ def test_a_captured_round_pads_to_a_power_of_two_of_rows_and_leaves_the_rows_it_
         assert torch.equal(pool.kv[:, :, row, :, : lengths[row]], kv[:, :, row, :, : lengths[row]])
 
 
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
+def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_dflash, dev_prompts, monkeypatch, options):
+    """A DFlash head's blocks over the pool's rows, replayed from captured graphs (emulated here), draft every step
+    what the eager blocks draft: 9 requests of unequal lengths through 5 rows (rows out of order, beside rows that
+    draft nothing), chains of several depths (the lm_head over as many slots) and a static tree, the same captured
+    target under both, a trained head (a random one's near-ties flip with the last bit of a padded width's sums).
+    Each pool's blocks are captured where the target captures, not for an uncaptured target."""
+    from conftest import uncaptured
+
+    from specgraft.heads import as_drafter
+    from specgraft.heads.dflash import DFlashBlocks, DFlashDrafter
+
+    def depth_drafter(_, target):
+        return as_drafter(trained_dflash[0].head, target)
+
+    target = captured
+    prompts = [target.encode(p) for p in dev_prompts[21:30]]
+    budgets, depths = [30, 7, 22, 12, 26, 9, 17, 5, 21], [3, 2, 3, 1, 3, 2, 2, 3, 1]
+    trees = [sg.Chain(d) for d in depths[:-2]] + [sg.StaticTree([[0], [1], [0, 0]])] * 2
+
+    def run(captured: bool):
+        dflash = depth_drafter("dflash", target)
+        sched = sg.Scheduler(target, {"dflash": dflash}, max_batch_size=5)
+        if captured:
+            dflash.pool_blocks = DFlashBlocks(dflash.head, sched.draft_pools["dflash"], recorder=Recomputed())
+        told = Told()
+        sched.add_observer(told)
+        driver = Driver(sched)
+        handles = [sched.submit(p, n, drafter="dflash", tree=tree, eos_token_id=(), seed=k, **options)
+                   for k, (p, n, tree) in enumerate(zip(prompts, budgets, trees))]
+        driver.run(*handles)
+        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
+                   for r in told.records if isinstance(r, Drafted)]
+        return [driver.result(h).token_ids for h in handles], drafted, dflash.pool_blocks
+
+    with monkeypatch.context() as eager:
+        eager.setattr(DFlashDrafter, "blocks", lambda self, rows: None)
+        want, want_drafted, _ = run(False)
+    got, drafted, blocks = run(True)
+    assert got == want and drafted == want_drafted
+    assert sum(len(tokens) > 2 for step in drafted for _, tokens, _ in step) > 10
+    graphs = blocks.graphs
+    assert graphs.captures == len(graphs) > 1 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
+
+    dflash = depth_drafter("dflash", target)
+    pool = dflash.new_rows(5, 64)
+    assert dflash.blocks(pool) is dflash.blocks(pool) and dflash.blocks(None) is None
+    assert dflash.blocks(pool).batch(3) == 4 and dflash.blocks(pool).batch(5) == 5  # a power of two, or the pool's
+    assert dflash.blocks(dflash.new_rows(5, 64)) is not dflash.blocks(pool)  # another pool: graphs of its own
+    assert depth_drafter("dflash", uncaptured(target)).blocks(pool) is None
+
+
 def test_a_drafter_captures_its_levels_where_its_target_captures(captured, trained_eagle):
     """Levels over a pool's rows are static and captured when the target is (eager off CUDA), one set per pool and
     head; none for a lone row's own cache; eager at exact shapes for an uncaptured target or a rope whose

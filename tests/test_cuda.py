@@ -64,18 +64,25 @@ def test_adaptive_trees_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
         assert outputs[handle] == hf_greedy(cuda_stories, prompt, 32)
 
 
-def test_dflash_blocks_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts):
-    """DFlash's context cache and block forward on a GPU, rows of one batched draft cache, exact."""
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_dflash_blocks_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts, capture):
+    """DFlash's context cache and block forward on a GPU, rows of one batched draft cache, exact; beside a captured
+    target, the blocks replay graphs of their own."""
     from specgraft.heads import as_drafter, build_head
     from specgraft.heads.configs import DFlashConfig
 
+    target = sg.load_target(STORIES, device="cuda", capture=True) if capture else cuda_stories
     torch.manual_seed(0)
-    head = build_head(DFlashConfig(block_size=6, target_layer_ids=[0, 2, 3]), cuda_stories).eval()
-    gen = sg.SpeculativeGenerator(cuda_stories, as_drafter(head, cuda_stories), tree=sg.DynamicTree(top_k=2, depth=5, budget=10))
-    prompts = [cuda_stories.encode(p) for p in dev_prompts[:6]]
+    head = build_head(DFlashConfig(block_size=6, target_layer_ids=[0, 2, 3]), target).eval()
+    drafter = as_drafter(head, target)
+    gen = sg.SpeculativeGenerator(target, drafter, tree=sg.DynamicTree(top_k=2, depth=5, budget=10))
+    prompts = [target.encode(p) for p in dev_prompts[:6]]
     outputs = gen.generate_batch(prompts, max_new_tokens=32, eos_token_id=())
     for out, prompt in zip(outputs, prompts):
-        assert out.token_ids == hf_greedy(cuda_stories, prompt, 32)
+        assert out.token_ids == hf_greedy(target, prompt, 32)
+    if capture:
+        graphs = drafter.pool_blocks.graphs
+        assert graphs.captures > 0 and graphs.eager == 0 and graphs.replays > graphs.captures
 
 
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])

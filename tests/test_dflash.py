@@ -253,19 +253,6 @@ def test_dflash_checkpoint_round_trip(target, tmp_path):
 # -- the real target ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained_dflash(stories):
-    """A DFlash head for stories260K fitted for seconds to 16 greedy stories: it drafts their continuations well
-    (and other text poorly), so both accepted and rejected drafts are exercised. Returns (drafter, the stories)."""
-    from toy_train import fit, greedy_examples
-
-    torch.manual_seed(0)
-    head = build_head(DFlashConfig(block_size=6, num_anchors=24, target_layer_ids=[0, 2, 3]), stories)
-    examples = greedy_examples(stories, 16, 64)
-    fit(head, stories, examples, steps=150, lr=1e-2)
-    return as_drafter(head, stories), [e["input_ids"] for e in examples]
-
-
 def test_stories_mask_token_is_unk(stories):
     head = build_head(DFlashConfig(), stories)
     assert head.config.mask_token_id == stories.tokenizer.unk_token_id == 0
