@@ -411,6 +411,7 @@ class DFlashDrafter:
         self.head = other.head
 
     def _hold_blocks(self, states: list[DFlashDraftState]) -> None:
+        """Each state's peak: its context after the catch-up and its block (`cache_tokens`, which stats report)."""
         for state in states:
             state.peak = len(state.cache) + self.head.block_size  # the block's keys and values, held for the forward
 

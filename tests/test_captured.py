@@ -353,6 +353,13 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
     assert dflash.blocks(pool).batch(3) == 4 and dflash.blocks(pool).batch(5) == 5  # a power of two, or the pool's
     assert dflash.blocks(dflash.new_rows(5, 64)) is not dflash.blocks(pool)  # another pool: graphs of its own
     assert depth_drafter("dflash", uncaptured(target)).blocks(pool) is None
+    from test_step_counts import depth_drafter as random_drafter
+
+    dynamic = random_drafter("dflash", target)  # a head of its own, its rope made one that follows the positions
+    dynamic.head.rotary.rope_type = "dynamic"
+    assert dynamic.blocks(pool) is None
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        DFlashBlocks(dynamic.head, pool)
 
 
 def test_a_drafter_captures_its_levels_where_its_target_captures(captured, trained_eagle):
