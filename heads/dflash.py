@@ -338,6 +338,11 @@ class DFlashDrafter:
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_rows(rows, max_len)
 
+    @property
+    def draft_graphs(self) -> GraphSet | None:
+        """The graphs of the captured blocks over the last pool (None: none captured there), for reports."""
+        return None if self.pool_blocks is None else self.pool_blocks.graphs
+
     def blocks(self, rows: BatchedKVCache | None) -> DFlashBlocks | None:
         """The blocks over ``rows`` at static shapes, captured, where the target captures (None: eager, at the round's
         own shapes; always for a lone row's own cache or a rope whose frequencies follow the positions)."""

@@ -39,6 +39,7 @@ import torch
 from specgraft.heads.base import DraftRequest, shared_top_k_static
 from specgraft.heads.draft_levels import DraftLevels
 from specgraft.model import TREE_SLOTS, BatchedKVCache, StaticKVCache, Target
+from specgraft.model.captured import GraphSet
 from specgraft.model.fast_llama import DYNAMIC_ROPE
 from specgraft.model.staging import staged
 from specgraft.tree import (
@@ -65,6 +66,11 @@ class FeatureDrafter:
         self.max_len = target.max_context + TREE_SLOTS
         self.target = target  # whose ``capture`` says whether draft forwards over a pool's rows are captured
         self.pool_levels: DraftLevels | None = None  # the last pool's (a static form's graphs hold its addresses)
+
+    @property
+    def draft_graphs(self) -> GraphSet | None:
+        """The graphs of the captured draft forwards over the last pool (None: none captured there), for reports."""
+        return None if self.pool_levels is None else self.pool_levels.graphs
 
     def new_rows(self, rows: int, max_len: int) -> BatchedKVCache:
         return self.head.new_draft_rows(rows, max_len)

@@ -529,14 +529,21 @@ def test_batch_size_sweep_runs_every_method_at_every_size_and_checks_outputs(sto
 
 
 def test_capture_runs_the_batch_sweep_through_the_static_forward_with_the_same_outputs(stories, prompts_file, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, trained_eagle):
+    """--capture: the same outputs through the static forwards, and what the target's and each captured drafter's
+    forwards did (graphs, replays, eager runs, the seconds capturing: eager here, on a CPU)."""
     args = _args("--target", str(STORIES), "--drafter", "self", "--tree", "chain:3", "--prompts", str(prompts_file),
+                 "--method", str(trained_eagle), "chain:2", "--method", str(trained_eagle), "dynamic:2,2,3",
                  "--max-new-tokens", str(N), "--batch-size", "2,1", "--capture", "--out", str(tmp_path / "out"), "--json")
     assert bench_main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["greedy_identical"] and printed["settings"]["capture"] is True
     assert printed["settings"]["captured"]["eager"] > 0 and printed["settings"]["captured"]["graphs"] == 0  # CPU
-    assert {(r["method"], r["batch_size"]) for r in printed["rows"]} == {(m, b) for m in ("plain", "self chain:3") for b in (1, 2)}
+    eagle = {r["method"] for r in printed["rows"]} - {"plain", "self chain:3"}
+    assert len(eagle) == 2 and {(r["method"], r["batch_size"]) for r in printed["rows"]} == {
+        (m, b) for m in ("plain", "self chain:3", *eagle) for b in (1, 2)}
+    (labels, drafts), = printed["settings"]["captured_drafts"].items()  # the head's, its two methods sharing it
+    assert set(labels.split(" / ")) == eagle and drafts["eager"] > 0 and drafts["graphs"] == 0
     assert "static shapes" in (tmp_path / "out" / "results.md").read_text()
 
 

@@ -76,8 +76,9 @@ class CommandParser(argparse.ArgumentParser):
 
 
 CAPTURE_HELP = (
-    "run the target's batched verification forward at static shapes, captured once per size as a CUDA graph "
-    "(off by default; on a CPU it runs eager and is slower than the default packed forward)"
+    "run the target's batched verification forward, and EAGLE / EAGLE-3 and DFlash heads' draft forwards, at static "
+    "shapes, captured once per size as CUDA graphs (off by default; on a CPU they run eager and are slower than the "
+    "default packed forward); bench reports each one's graphs and capture seconds"
 )
 
 

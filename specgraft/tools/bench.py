@@ -491,6 +491,9 @@ def _batch_bench(args, target: Target, methods, prompts, batch_sizes: list[int],
                                small_rows=target.small_rows.to_dict(), capture=target.capture)
     if target.captured is not None:  # what the static forward did: graphs captured and replayed (CUDA), or eager
         results["settings"]["captured"] = target.captured.stats()
+        drafts = captured_drafts(engine_methods)
+        if drafts:
+            results["settings"]["captured_drafts"] = drafts
     if engines:
         results["settings"]["vllm"] = {"version": engines[0][1].version, "core": args.vllm_core,
                                        "load_s": {name: engine.load_s for name, engine in engines}}
@@ -570,6 +573,16 @@ def spec_label(spec: str | DrafterSpec) -> str:
     if isinstance(parsed, CompositeSpec):  # prompt-lookup[:K]+ as written, then its drafter's label
         return str(parsed).removesuffix(str(parsed.then)) + spec_label(parsed.then)
     return str(parsed)
+
+
+def captured_drafts(methods: list[MethodSpec]) -> dict[str, dict[str, int | float]]:
+    """What each drafter's captured draft forwards did (graphs, replays, the seconds its first calls took capturing),
+    keyed by the labels of the methods that share it."""
+    shared: dict[int, tuple[list[str], Drafter]] = {}
+    for label, drafter, _ in methods:
+        shared.setdefault(id(drafter), ([], drafter))[0].append(label)
+    return {" / ".join(labels): drafter.draft_graphs.stats() for labels, drafter in shared.values()
+            if getattr(drafter, "draft_graphs", None) is not None}
 
 
 def _methods(args: argparse.Namespace, trees: list[tuple[str, TreePolicy]], target: Target) -> list[MethodSpec]:
