@@ -384,11 +384,11 @@ class DFlashDrafter:
             batch = captured.batch(max(order) + 1)
             lengths, by_row, rows_at = self._catch_up(states, rows, order, batch)
             self._hold_blocks(states)
-            roots = root_tokens(requests, self.device)
-            if order != list(range(batch)):
+            roots, in_order = root_tokens(requests, self.device), order == list(range(batch))
+            if not in_order:
                 roots = roots.new_zeros(batch).index_copy_(0, rows_at, roots)
             logp = captured(roots, by_row, max(lengths), depth)  # (B, D, V)
-            return logp if order == list(range(batch)) else logp.index_select(0, rows_at)
+            return logp if in_order else logp.index_select(0, rows_at)
         lengths, lengths_at, _ = self._catch_up(states, rows, order)  # the root sits at context position `length`
         self._hold_blocks(states)
         width = max(lengths)

@@ -50,11 +50,12 @@ class DraftLevels:
         self.head, self.pool, self.static = head, pool, static
         device = pool.kv.device
         self.graphs: GraphSet | None = None
+        self.numbers: torch.Tensor | None = None
         if static:
             held_rope_table(head.fast(), pool, "a captured level")  # what every graph's positions read
             self.graphs = GraphSet(default_recorder(device) if recorder is None else recorder, most_graphs)
-        # 0, 1, ... past any level a row's slots allow: a level's number as a tensor is a slice, not a copy from the host
-        self.numbers = torch.arange(pool.max_len + 2, device=device)
+            # 0, 1, ... past any level a row's slots allow: a chain's level as an input is a slice, not a host copy
+            self.numbers = torch.arange(pool.max_len + 2, device=device)
 
     def batch(self, rows: int) -> int:
         """The pool rows a round over rows 0..rows-1 runs: those, or a power of two of them (static)."""
@@ -70,8 +71,10 @@ class DraftLevels:
         width = self._width(b, t)
         if self.graphs is None:
             return self._roots(width, starts, lengths, ends, features, tokens)
-        run = lambda index, features, tokens: self._roots(width, *index.view(3, b), features, tokens)  # noqa: E731
-        return self.graphs(("roots", b, t, width), run, torch.cat([starts, lengths, ends]), features, tokens)
+        # ((3 + T) B,) the forward's numbers: each row's first new slot, committed pairs, root cell; its tokens
+        run = lambda index, features: self._roots(  # noqa: E731
+            width, *index[: 3 * b].view(3, b), features, index[3 * b :].view(b, t))
+        return self.graphs(("roots", b, t, width), run, torch.cat([starts, lengths, ends, tokens.view(-1)]), features)
 
     def level(
         self, features: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, held: torch.Tensor,

@@ -166,7 +166,7 @@ class FeatureDrafter:
     def _catch_up_alone(self, request: DraftRequest) -> None:
         """Run the pairs ``request``'s state committed since its last round into its cache over its own row alone (a
         round of its root by itself, on its row's view: no other row is written), keeping only those pairs."""
-        round_ = FeatureRound(self.head, [replace(request, row=0)], None)  # (row 0 of the one-row forward)
+        round_ = FeatureRound(self.head, [replace(request, row=0)], None, None)  # (row 0 of the one-row forward)
         try:
             round_.run_roots()
         finally:
@@ -385,13 +385,12 @@ class FeatureRound:
     """
 
     def __init__(
-        self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None, levels: DraftLevels | None = None,
+        self, head, requests: Sequence[DraftRequest], rows: BatchedKVCache | None, levels: DraftLevels | None,
     ) -> None:
         if rows is None and len(requests) != 1:
             raise ValueError(f"{len(requests)} requests need the batched cache whose rows their states' caches are")
         self.head, self.requests, self.rows = head, list(requests), rows
-        # The roots' forward and the tree levels over ``rows`` (eager, or static and captured)
-        self.levels = None if rows is None else levels if levels is not None else DraftLevels(head, rows)
+        self.levels = levels  # the roots' forward and the tree levels over ``rows`` (eager, or static and captured)
         # Rows 0..batch-1 run, those without a request padding (static: a power of two of them, the graphs serving
         # every batch up to it)
         self.batch = 1 if rows is None else self.levels.batch(max(r.row for r in requests) + 1)

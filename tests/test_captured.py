@@ -311,11 +311,12 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
     target under both, a trained head (a random one's near-ties flip with the last bit of a padded width's sums).
     Each pool's blocks are captured where the target captures, not for an uncaptured target."""
     from conftest import uncaptured
+    from test_step_counts import depth_drafter
 
     from specgraft.heads import as_drafter
     from specgraft.heads.dflash import DFlashBlocks, DFlashDrafter
 
-    def depth_drafter(_, target):
+    def trained(target):
         return as_drafter(trained_dflash[0].head, target)
 
     target = captured
@@ -324,7 +325,7 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
     trees = [sg.Chain(d) for d in depths[:-2]] + [sg.StaticTree([[0], [1], [0, 0]])] * 2
 
     def run(captured: bool):
-        dflash = depth_drafter("dflash", target)
+        dflash = trained(target)
         sched = sg.Scheduler(target, {"dflash": dflash}, max_batch_size=5)
         if captured:
             dflash.pool_blocks = DFlashBlocks(dflash.head, sched.draft_pools["dflash"], recorder=Recomputed())
@@ -347,15 +348,13 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
     graphs = blocks.graphs
     assert graphs.captures == len(graphs) > 1 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
 
-    dflash = depth_drafter("dflash", target)
+    dflash = trained(target)
     pool = dflash.new_rows(5, 64)
     assert dflash.blocks(pool) is dflash.blocks(pool) and dflash.blocks(None) is None
     assert dflash.blocks(pool).batch(3) == 4 and dflash.blocks(pool).batch(5) == 5  # a power of two, or the pool's
     assert dflash.blocks(dflash.new_rows(5, 64)) is not dflash.blocks(pool)  # another pool: graphs of its own
-    assert depth_drafter("dflash", uncaptured(target)).blocks(pool) is None
-    from test_step_counts import depth_drafter as random_drafter
-
-    dynamic = random_drafter("dflash", target)  # a head of its own, its rope made one that follows the positions
+    assert trained(uncaptured(target)).blocks(pool) is None
+    dynamic = depth_drafter("dflash", target)  # a head of its own, its rope made one that follows the positions
     dynamic.head.rotary.rope_type = "dynamic"
     assert dynamic.blocks(pool) is None
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
