@@ -312,7 +312,7 @@ def test_regeneration_through_vllm_serve_resumes_after_sigkill(smollm2, smollm2_
 
     inputs = gsm8k_train(12)
     out = regenerate_killed_then_resumed(tmp_path, str(SMOLLM2), "eagle3", inputs, smollm2_server.url,
-                                         REGEN_NEW_TOKENS, start_timeout_s=300, resume_timeout_s=600)
+                                         REGEN_NEW_TOKENS, start_timeout_s=900, resume_timeout_s=600)
     reference = tmp_path / "reference.jsonl"
     regenerate(smollm2, inputs, reference, max_new_tokens=REGEN_NEW_TOKENS, temperature=0, dedupe=False, progress=False)
     assert records(out) == records(reference)
