@@ -23,6 +23,7 @@ from typing import Sequence
 from specgraft.heads.base import DraftRequest, TrainBatch, grow_by_depth
 from specgraft.heads.configs import MedusaConfig
 from specgraft.model import BatchedKVCache, Target
+from specgraft.model.captured import GraphSet, bucket, default_recorder
 from specgraft.tree import Sampling, Tree, TreePolicy
 
 
@@ -94,12 +95,20 @@ class MedusaHeads(nn.Module):
 class MedusaDrafter:
     """Drafts with Medusa heads: depth d's distribution is head d - 1's, whatever the parent.
 
-    A `BatchDrafter`: the heads run once per step for all rows, on their stacked hidden states.
+    A `BatchDrafter`: the heads run once per step for all rows, on their stacked hidden states. Where the target
+    captures, so do the heads: one graph per power of two of rows and heads drafted (`heads_logp`).
     """
 
     def __init__(self, heads: MedusaHeads, target: Target) -> None:
         self.heads = heads  # not put in eval mode here: the trainer's evaluator may share the module
         self.hidden_layers = heads.hidden_layers
+        self.target = target  # whose ``capture`` says whether the heads' forward is captured
+        self.graphs: GraphSet | None = None  # the captured forwards of these heads (`adopt` drops them)
+
+    @property
+    def draft_graphs(self) -> GraphSet | None:
+        """The graphs of the heads' captured forwards (None: none captured), for reports."""
+        return self.graphs
 
     def new_rows(self, rows: int, max_len: int) -> None:
         return None  # no draft cache: a state is the target's last hidden state
@@ -112,11 +121,27 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose_batch(self, requests: Sequence[DraftRequest], rows: BatchedKVCache | None = None) -> list[Tree]:
-        dtype = next(self.heads.parameters()).dtype  # the target's, as loaded; float32 while training
-        hidden = torch.stack([request.state.last_hidden for request in requests]).to(dtype)  # (B, H)
         depths = [min(r.max_depth, r.policy.max_depth, self.heads.config.num_heads) for r in requests]
-        logp = self.heads(hidden, num_heads=max(depths)).float().log_softmax(-1)  # (K', B, V): head k drafts depth k + 1
+        logp = self.heads_logp([request.state.last_hidden for request in requests], max(depths))  # (K', B, V)
         return grow_by_depth(requests, logp.transpose(0, 1))  # policies cap a request's depth at their own
+
+    def heads_logp(self, hidden: list[torch.Tensor], num_heads: int) -> torch.Tensor:
+        """(num_heads, B, V) draft log-probs from B rows' (H,) hidden states: head k drafts depth k + 1. Where the
+        target captures, the rows are padded to a power of two (zero states) and the forward replays a graph of
+        that size, so a captured step launches the heads as one graph, as it does its target."""
+        dtype = next(self.heads.parameters()).dtype  # the target's, as loaded; float32 while training
+
+        def run(states: torch.Tensor) -> torch.Tensor:
+            return self.heads(states.to(dtype), num_heads=num_heads).float().log_softmax(-1)
+
+        if not self.target.capture:
+            return run(torch.stack(hidden))
+        if self.graphs is None:
+            self.graphs = GraphSet(default_recorder(hidden[0].device))
+        rows = len(hidden)
+        padding = [hidden[0].new_zeros(hidden[0].shape)] * (bucket(rows) - rows)
+        states = torch.stack(hidden + padding)
+        return self.graphs((states.shape[0], num_heads, states.dtype), run, states)[:, :rows]
 
     def adopt(self, other: MedusaDrafter) -> None:
         """Draft with ``other``'s heads from now on: a new version of these (same config and target layer), loaded
@@ -133,7 +158,7 @@ class MedusaDrafter:
         if not isinstance(other, MedusaDrafter):
             raise ValueError(f"a Medusa drafter cannot adopt a {type(other).__name__}")
         check_new_version(self.heads, other.heads)
-        self.heads = other.heads
+        self.heads, self.graphs = other.heads, None  # graphs read the weights they were captured over
 
 
 class MedusaDraftState:

@@ -361,6 +361,53 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
         DFlashBlocks(dynamic.head, pool)
 
 
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
+def test_captured_medusa_heads_draft_what_eager_heads_draft(captured, dev_prompts, options):
+    """Medusa's heads replayed from captured graphs (emulated here), their rows padded to a power of two, draft
+    every step what the eager heads draft: 7 requests of unequal lengths through 5 rows, chains of several depths
+    (as many heads) and a static tree. The graphs are made where the target captures, dropped when the drafter
+    adopts new heads, and never made for an uncaptured target."""
+    from conftest import uncaptured
+    from test_step_counts import depth_drafter
+
+    from specgraft.model.captured import GraphSet
+
+    target = captured
+    prompts = [target.encode(p) for p in dev_prompts[30:37]]
+    budgets, trees = [24, 7, 19, 12, 26, 9, 17], [sg.Chain(d) for d in (3, 2, 3, 1, 2)] + [sg.StaticTree(BRANCHING_TREE)] * 2
+
+    def run(target, graphs):
+        medusa = depth_drafter("medusa", target)
+        medusa.graphs = graphs
+        sched = sg.Scheduler(target, {"medusa": medusa}, max_batch_size=5)
+        told = Told()
+        sched.add_observer(told)
+        driver = Driver(sched)
+        handles = [sched.submit(p, n, drafter="medusa", tree=tree, eos_token_id=(), seed=k, **options)
+                   for k, (p, n, tree) in enumerate(zip(prompts, budgets, trees))]
+        driver.run(*handles)
+        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
+                   for r in told.records if isinstance(r, Drafted)]
+        return [driver.result(h).token_ids for h in handles], drafted, medusa
+
+    want, want_drafted, eager = run(uncaptured(target), None)
+    got, drafted, medusa = run(target, GraphSet(Recomputed()))
+    assert got == want and drafted == want_drafted and eager.graphs is None
+    assert sum(len(tokens) > 2 for step in drafted for _, tokens, _ in step) > 10
+    graphs = medusa.graphs
+    assert graphs.captures == len(graphs) > 1 and graphs.replays > 3 * graphs.captures and graphs.eager == 0
+
+    fresh, states = depth_drafter("medusa", target), [torch.randn(target.config.hidden_size) for _ in range(3)]
+    want = eager.heads_logp(states, 2)
+    assert fresh.heads_logp(states, 2).shape == want.shape == (2, 3, target.config.vocab_size)
+    assert fresh.draft_graphs is fresh.graphs and fresh.graphs.recorder is None and fresh.graphs.eager == 1  # CPU
+    fresh.graphs = GraphSet(Recomputed())
+    assert torch.allclose(fresh.heads_logp(states, 2), want, atol=1e-5)
+    assert list(fresh.graphs.graphs) == [(4, 2, torch.float32)]  # 3 rows padded to 4
+    fresh.adopt(depth_drafter("medusa", target))
+    assert fresh.graphs is None  # new heads: the old graphs read the old weights
+
+
 def test_a_drafter_captures_its_levels_where_its_target_captures(captured, trained_eagle):
     """Levels over a pool's rows are static and captured when the target is (eager off CUDA), one set per pool and
     head; none for a lone row's own cache; eager at exact shapes for an uncaptured target or a rope whose

@@ -85,6 +85,29 @@ def test_dflash_blocks_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts, captur
         assert graphs.captures > 0 and graphs.eager == 0 and graphs.replays > graphs.captures
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_medusa_heads_on_cuda_equal_hf_greedy(cuda_stories, dev_prompts, capture):
+    """Medusa's heads on a GPU, a static tree and chains, exact; beside a captured target, the heads replay graphs
+    of their own (one per power of two of rows and heads drafted)."""
+    from specgraft.heads import as_drafter, build_head
+    from specgraft.heads.configs import MedusaConfig
+
+    target = sg.load_target(STORIES, device="cuda", capture=True) if capture else cuda_stories
+    torch.manual_seed(0)
+    drafter = as_drafter(build_head(MedusaConfig(num_heads=3), target).eval(), target)
+    prompts = [target.encode(p) for p in dev_prompts[:6]]
+    for tree in (sg.StaticTree(BRANCHING_TREE), sg.Chain(2)):
+        outputs = sg.SpeculativeGenerator(target, drafter, tree=tree).generate_batch(prompts, max_new_tokens=32,
+                                                                                     eos_token_id=())
+        for out, prompt in zip(outputs, prompts):
+            assert out.token_ids == hf_greedy(target, prompt, 32)
+    if capture:
+        graphs = drafter.draft_graphs
+        assert graphs.captures > 1 and graphs.eager == 0 and graphs.replays > graphs.captures
+    else:
+        assert drafter.draft_graphs is None
+
+
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,5,16"])
 def test_eagle_on_cuda_equals_hf_greedy_within_the_sync_budgets(cuda_stories, trained_eagle, dev_prompts, tree):
     """The GPU-shaped step where it matters: EAGLE's batched draft, the packed verification and the acceptance on the
