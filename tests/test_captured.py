@@ -221,6 +221,20 @@ TREES = {  # each request's tree, by its index: chains of several depths, or a t
 }
 
 
+def drafted_run(sched: sg.Scheduler, drafter: str, prompts, budgets, trees, options) -> tuple[list, list]:
+    """Each request's tokens and every step's drafted trees (request, tokens, parents), ``sched`` running the
+    requests (prompt, budget, tree) with ``drafter``, each seeded by its place."""
+    told = Told()
+    sched.add_observer(told)
+    driver = Driver(sched)
+    handles = [sched.submit(p, n, drafter=drafter, tree=tree, eos_token_id=(), seed=k, **options)
+               for k, (p, n, tree) in enumerate(zip(prompts, budgets, trees))]
+    driver.run(*handles)
+    drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
+               for r in told.records if isinstance(r, Drafted)]
+    return [driver.result(h).token_ids for h in handles], drafted
+
+
 @pytest.mark.parametrize("trees", TREES)
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "top_k": 20}], ids=["greedy", "sampled"])
 def test_captured_draft_levels_draft_what_eager_levels_draft(captured, trained_eagle, dev_prompts, monkeypatch, options, trees):
@@ -240,15 +254,8 @@ def test_captured_draft_levels_draft_what_eager_levels_draft(captured, trained_e
         sched = sg.Scheduler(target, {"eagle": eagle}, max_batch_size=5)
         if captured:
             eagle.pool_levels = DraftLevels(eagle.head, sched.draft_pools["eagle"], static=True, recorder=Recomputed())
-        told = Told()
-        sched.add_observer(told)
-        driver = Driver(sched)
-        handles = [sched.submit(p, n, drafter="eagle", tree=TREES[trees](k), eos_token_id=(), seed=k, **options)
-                   for k, (p, n) in enumerate(zip(prompts, budgets))]
-        driver.run(*handles)
-        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
-                   for r in told.records if isinstance(r, Drafted)]
-        return [driver.result(h).token_ids for h in handles], drafted, eagle.pool_levels
+        tree_of = [TREES[trees](k) for k in range(len(prompts))]
+        return *drafted_run(sched, "eagle", prompts, budgets, tree_of, options), eagle.pool_levels
 
     with monkeypatch.context() as eager:
         eager_levels(eager)
@@ -329,15 +336,7 @@ def test_captured_dflash_blocks_draft_what_eager_blocks_draft(captured, trained_
         sched = sg.Scheduler(target, {"dflash": dflash}, max_batch_size=5)
         if captured:
             dflash.pool_blocks = DFlashBlocks(dflash.head, sched.draft_pools["dflash"], recorder=Recomputed())
-        told = Told()
-        sched.add_observer(told)
-        driver = Driver(sched)
-        handles = [sched.submit(p, n, drafter="dflash", tree=tree, eos_token_id=(), seed=k, **options)
-                   for k, (p, n, tree) in enumerate(zip(prompts, budgets, trees))]
-        driver.run(*handles)
-        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
-                   for r in told.records if isinstance(r, Drafted)]
-        return [driver.result(h).token_ids for h in handles], drafted, dflash.pool_blocks
+        return *drafted_run(sched, "dflash", prompts, budgets, trees, options), dflash.pool_blocks
 
     with monkeypatch.context() as eager:
         eager.setattr(DFlashDrafter, "blocks", lambda self, rows: None)
@@ -380,15 +379,7 @@ def test_captured_medusa_heads_draft_what_eager_heads_draft(captured, dev_prompt
         medusa = depth_drafter("medusa", target)
         medusa.graphs = graphs
         sched = sg.Scheduler(target, {"medusa": medusa}, max_batch_size=5)
-        told = Told()
-        sched.add_observer(told)
-        driver = Driver(sched)
-        handles = [sched.submit(p, n, drafter="medusa", tree=tree, eos_token_id=(), seed=k, **options)
-                   for k, (p, n, tree) in enumerate(zip(prompts, budgets, trees))]
-        driver.run(*handles)
-        drafted = [[(h, tree.tokens.tolist(), tree.parents.tolist()) for h, tree in r.trees.items()]
-                   for r in told.records if isinstance(r, Drafted)]
-        return [driver.result(h).token_ids for h in handles], drafted, medusa
+        return *drafted_run(sched, "medusa", prompts, budgets, trees, options), medusa
 
     want, want_drafted, eager = run(uncaptured(target), None)
     got, drafted, medusa = run(target, GraphSet(Recomputed()))
