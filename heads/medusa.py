@@ -127,7 +127,7 @@ class MedusaDrafter:
 
     def heads_logp(self, hidden: list[torch.Tensor], num_heads: int) -> torch.Tensor:
         """(num_heads, B, V) draft log-probs from B rows' (H,) hidden states: head k drafts depth k + 1. Where the
-        target captures, the rows are padded to a power of two (zero states) and the forward replays a graph of
+        target captures, the rows are padded to a power of two (copies of the first, whose outputs are dropped) and the forward replays a graph of
         that size, so a captured step launches the heads as one graph, as it does its target."""
         dtype = next(self.heads.parameters()).dtype  # the target's, as loaded; float32 while training
 
@@ -139,8 +139,7 @@ class MedusaDrafter:
         if self.graphs is None:
             self.graphs = GraphSet(default_recorder(hidden[0].device))
         rows = len(hidden)
-        padding = [hidden[0].new_zeros(hidden[0].shape)] * (bucket(rows) - rows)
-        states = torch.stack(hidden + padding)
+        states = torch.stack(hidden + hidden[:1] * (bucket(rows) - rows))  # padding rows repeat the first: no fill
         return self.graphs((states.shape[0], num_heads, states.dtype), run, states)[:, :rows]
 
     def adopt(self, other: MedusaDrafter) -> None:
